@@ -1,0 +1,158 @@
+"""The LoRA adapter as data: its tensor names and shapes, validation, and the PEFT folder format.
+
+Every place an adapter crosses a boundary goes through here: the trainer's gathered state, the sync to
+rollout engines (vLLM accepts wrong shapes silently, ../shared/notes/VLLM_LORA.md), the exported PEFT
+folder, and the serving app. Names are PEFT's saved names
+(`base_model.model.model.language_model.layers.{i}.self_attn.q_proj.lora_A.weight`), A is [r, in] and
+B is [out, r].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.config import LoraSettings
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model.model.language_model.layers"
+_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+# Wrapper segments that FSDP, activation checkpointing or torch.compile put into parameter names.
+_WRAPPER_SEGMENTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+class AdapterMismatch(ValueError):
+    """An adapter whose tensors do not fit the base model and LoRA settings."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a valid adapter for one base model and LoRA setting looks like."""
+
+    shapes: dict[str, tuple[int, int]]
+    rank: int
+    alpha: int
+    target_modules: tuple[str, ...]
+
+    @classmethod
+    def for_model(cls, text_config, settings: LoraSettings) -> "AdapterSpec":
+        return cls(expected_shapes(text_config, settings.rank, settings.target_modules), settings.rank,
+                   settings.alpha, tuple(settings.target_modules))
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(a * b for a, b in self.shapes.values())
+
+    def peft_config(self, base_model: str = "") -> dict:
+        """adapter_config.json contents that PEFT and vLLM both load."""
+        return {
+            "peft_type": "LORA", "task_type": None, "base_model_name_or_path": base_model, "r": self.rank,
+            "lora_alpha": self.alpha, "lora_dropout": 0.0, "target_modules": sorted(self.target_modules),
+            "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+        }
+
+
+def module_dims(text_config, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a language-model projection."""
+    hidden, inter = text_config.hidden_size, text_config.intermediate_size
+    head_dim = getattr(text_config, "head_dim", None) or hidden // text_config.num_attention_heads
+    q_out = text_config.num_attention_heads * head_dim
+    kv_out = text_config.num_key_value_heads * head_dim
+    dims = {"q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
+            "o_proj": (q_out, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+    if module not in dims:
+        raise AdapterMismatch(f"LoRA target '{module}' is not a language-model projection ({sorted(dims)})")
+    return dims[module]
+
+
+def expected_shapes(text_config, rank: int, target_modules) -> dict[str, tuple[int, int]]:
+    shapes = {}
+    for layer in range(text_config.num_hidden_layers):
+        for module in sorted(target_modules):
+            block = "self_attn" if module in _ATTENTION else "mlp"
+            stem = f"{PEFT_PREFIX}.{layer}.{block}.{module}"
+            fan_in, fan_out = module_dims(text_config, module)
+            shapes[f"{stem}.lora_A.weight"] = (rank, fan_in)
+            shapes[f"{stem}.lora_B.weight"] = (fan_out, rank)
+    return shapes
+
+
+def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT saved names: no adapter name (`.default`), no FSDP/checkpoint wrapper segments."""
+    out = {}
+    for name, tensor in tensors.items():
+        clean = _WRAPPER_SEGMENTS.sub("", name).replace(".default.", ".")
+        if not clean.startswith("base_model.model."):
+            clean = "base_model.model." + clean
+        out[clean] = tensor
+    return out
+
+
+def validate(tensors: dict[str, torch.Tensor], spec: AdapterSpec) -> None:
+    """Raises AdapterMismatch unless the tensors are exactly the expected set, with the expected shapes."""
+    names = set(tensors)
+    missing = sorted(set(spec.shapes) - names)
+    unexpected = sorted(names - set(spec.shapes))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing (e.g. {missing[0]})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
+    for name in sorted(names & set(spec.shapes)):
+        t = tensors[name]
+        if tuple(t.shape) != spec.shapes[name]:
+            problems.append(f"{name} has shape {tuple(t.shape)}, expected {spec.shapes[name]}")
+            break
+        if not t.is_floating_point():
+            problems.append(f"{name} has dtype {t.dtype}, expected a floating-point tensor")
+            break
+        if not torch.isfinite(t).all():
+            problems.append(f"{name} holds NaN or infinite values")
+            break
+    if problems:
+        raise AdapterMismatch(f"adapter does not fit the model (rank {spec.rank}): " + "; ".join(problems))
+
+
+def contiguous_copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Private CPU copies: vLLM scales lora_B in place, which must never reach the caller's tensors."""
+    return {k: v.detach().to("cpu", dtype=dtype or v.dtype, copy=True).contiguous() for k, v in tensors.items()}
+
+
+# ---------------------------------------------------------------- the PEFT folder
+
+def write_peft_folder(tensors: dict[str, torch.Tensor], spec: AdapterSpec, out_dir: str | os.PathLike,
+                      base_model: str = "") -> Path:
+    """Writes adapter_model.safetensors + adapter_config.json into out_dir (which must not be in use)."""
+    from safetensors.torch import save_file
+
+    validate(tensors, spec)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(contiguous_copies(tensors), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(spec.peft_config(base_model), indent=2))
+    return out
+
+
+def read_peft_folder(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    return normalize_keys(load_file(str(folder / ADAPTER_WEIGHTS))), config
+
+
+def spec_from_peft_config(text_config, config: dict) -> AdapterSpec:
+    """The spec an adapter folder claims, checked against the base model's shapes."""
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        raise AdapterMismatch("adapter_config.json gives target_modules as a regex; list module names instead")
+    settings = LoraSettings(rank=int(config["r"]), alpha=int(config["lora_alpha"]), target_modules=list(targets))
+    return AdapterSpec.for_model(text_config, settings)

