@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,7 +31,29 @@ class ConfigError(ValueError):
 
     def __init__(self, field_path: str, problem: str, fix: str):
         self.field_path, self.problem, self.fix = field_path, problem, fix
-        super().__init__(f"config error at '{field_path}': {problem}. Fix: {fix}")
+        text = f"config error at '{field_path}': {problem}. Fix: {fix}"
+        # one line whatever the user wrote: escape newlines and other non-printing characters
+        super().__init__("".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text))
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads 1e-5 (an exponent without a dot, YAML 1.2 style) as a float."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _parse_yaml(text: str) -> Any:
+    """yaml.safe_load with 1e-5 as a float; PyYAML's own ValueError/KeyError/... become YAMLError."""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError:
+        raise
+    except Exception as e:  # e.g. `!!float abc`, `!!bool maybe`, an int of more than 4300 digits
+        raise yaml.YAMLError(f"{type(e).__name__}: {e}") from None
 
 
 def knob(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
@@ -80,6 +104,8 @@ class LoraSettings:
 class MazeSettings:
     size: int = knob(9, "grid side including the wall border (odd): 9 is VisGym easy, 11 hard", ge=5, le=41)
     cell_px: int = knob(25, "pixels per maze cell in the rendered image", ge=4, le=128)
+    feedback: Literal["visgym", "compass"] = knob(
+        "visgym", "observation text: VisGym's (what happened), or that plus where the goal lies (CPU-scale runs)")
 
 
 @dataclass
@@ -116,6 +142,13 @@ class TrainConfig:
     warmup_steps: int = knob(0, "linear LR warm-up steps", ge=0)
     lr_schedule: Literal["constant", "cosine"] = knob("constant", "LR after warm-up")
     seed: int = knob(42, "seed of the maze sampler, sampling and LoRA init")
+
+
+@dataclass
+class SftConfig:
+    steps: int = knob(0, "supervised warm-start steps on BFS demonstrations before GRPO (fresh runs only); 0 skips", ge=0)
+    lr: float = knob(1e-3, "learning rate of the warm start", gt=0.0, le=1.0)
+    mazes_per_step: int = knob(8, "demonstrated mazes per warm-start step", ge=1)
 
 
 @dataclass
@@ -167,6 +200,7 @@ class Config:
     maze: MazeSettings = knob(MazeSettings(), "the maze world, for training and evaluation")
     rollout: RolloutConfig = knob(RolloutConfig(), "episodes and engines")
     train: TrainConfig = knob(TrainConfig(), "the GRPO update")
+    sft: SftConfig = knob(SftConfig(), "the supervised warm start")
     placement: PlacementConfig = knob(PlacementConfig(), "Ray placement")
     eval: EvalConfig = knob(EvalConfig(), "the held-out evaluation")
     checkpoint: CheckpointConfig = knob(CheckpointConfig(), "adapters, checkpoints, resume")
@@ -194,12 +228,19 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), check
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError("<config file>", f"{p} is a folder, not a file", "pass the path of a YAML file, e.g. configs/tiny.yaml")
         if not p.is_file():
             raise ConfigError("<config file>", f"{p} does not exist", "pass the path of a YAML file, e.g. configs/tiny.yaml")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("<config file>", f"{p} cannot be read as UTF-8 text ({e})", "save it as a UTF-8 YAML file") from None
+        try:
+            loaded = _parse_yaml(text)
         except yaml.YAMLError as e:
-            raise ConfigError("<config file>", f"{p} is not valid YAML ({str(e).splitlines()[0]})", "fix the YAML syntax") from None
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ConfigError("<config file>", f"{p} is not valid YAML ({first})", "fix the YAML syntax") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError("<config file>", f"{p} holds a {type(loaded).__name__}, not a mapping", "write key: value pairs")
         raw = loaded or {}
@@ -217,18 +258,19 @@ def apply_override(raw: dict, item: str) -> None:
     key, text = item.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(key, "empty key segment", "write dotted names like train.lr")
+        raise ConfigError(key.strip() or item, "empty key segment", "write dotted names like train.lr")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = _parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
     node = raw
-    for part in parts[:-1]:
+    for i, part in enumerate(parts[:-1]):
         child = node.get(part)
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(key, f"'{part}' is a value, not a section", f"override a key inside a section, e.g. {parts[0]}.<key>")
+            raise ConfigError(key, f"'{part}' is a value, not a section",
+                              f"set it directly, e.g. {'.'.join(parts[:i + 1])}=<value>")
         node = child
     node[parts[-1]] = value
 
@@ -242,6 +284,8 @@ def from_dict(cls: type, raw: Any, where: str) -> Any:
     for key in raw:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            if not close and len(str(key)) >= 2:  # lr_rate -> lr, n_samples -> n_samples_per_prompt
+                close = sorted((f for f in fields if str(key).startswith(f) or f.startswith(str(key))), key=len)[-1:]
             hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
             raise ConfigError(_join(where, key), "unknown key", f"remove it or rename it; {hint}")
     values = {}
@@ -262,7 +306,7 @@ def _join(where: str, key: Any) -> str:
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
+        return from_dict(tp, {} if value is None else value, path)  # `train:` with nothing under it: defaults
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -287,7 +331,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}", "write a number such as 0.5 or 1e-5")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ConfigError(path, "the number is too large", "write a number such as 0.5 or 1e-5") from None
+        if not math.isfinite(number):
+            raise ConfigError(path, f"{value!r} is not a finite number", "write a finite number such as 0.5")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {value!r}", "quote the value")
@@ -346,6 +396,10 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
         raise ConfigError("checkpoint.resume_path", "resume_mode is 'path' but no path is given", "set checkpoint.resume_path")
     if c.s3_uri is not None and (not c.s3_uri.startswith("s3://") or len(c.s3_uri) <= 5 or c.s3_uri[5] == "/"):
         raise ConfigError("checkpoint.s3_uri", f"{c.s3_uri!r} is not an s3://bucket/prefix URI", "write s3://bucket/prefix")
+    if not m.path:
+        raise ConfigError("model.path", "it is empty", "point it at a local HF model folder, or use 'tiny'")
+    if m.adapter_init == "":
+        raise ConfigError("model.adapter_init", "it is empty", "point it at a PEFT adapter folder, or leave it null")
     if not cfg.run_name or "/" in cfg.run_name or cfg.run_name in (".", ".."):
         raise ConfigError("run_name", f"{cfg.run_name!r} is not a plain folder name", "use letters, digits, - and _")
     if check_paths:
@@ -362,7 +416,7 @@ def _check_paths(cfg: Config) -> None:
     if m.adapter_init is not None and not (Path(m.adapter_init) / "adapter_config.json").is_file():
         raise ConfigError("model.adapter_init", f"{m.adapter_init} has no adapter_config.json",
                           "point it at a PEFT adapter folder (e.g. one written by scripts/sft.py)")
-    if c.resume_mode == "path" and not Path(c.resume_path).exists():
+    if c.resume_mode == "path" and not c.resume_path.startswith("s3://") and not Path(c.resume_path).exists():
         raise ConfigError("checkpoint.resume_path", f"{c.resume_path} does not exist", "give an existing checkpoint folder")
 
 

@@ -74,16 +74,33 @@ def _direction_legend() -> str:
     return ", ".join(f"{number} {name}" for number, name in DIRECTION_NAMES.items())
 
 
-def first_turn_text(max_turns: int, maze_size: int) -> str:
-    """The task statement that goes with the first picture."""
-    return (
+def compass_text(position: tuple[int, int], goal: tuple[int, int]) -> str:
+    """Where the goal lies from the agent (the `compass` observation variant; VisGym gives no such hint)."""
+    rows, cols = goal[0] - position[0], goal[1] - position[1]
+    if rows == 0 and cols == 0:
+        return "You are on the goal."
+    parts = []
+    if rows:
+        parts.append(f"{abs(rows)} {'row' if abs(rows) == 1 else 'rows'} {'down' if rows > 0 else 'up'}")
+    if cols:
+        parts.append(f"{abs(cols)} {'column' if abs(cols) == 1 else 'columns'} {'right' if cols > 0 else 'left'}")
+    return "The goal is " + " and ".join(parts) + "."
+
+
+def first_turn_text(max_turns: int, maze_size: int, where: str | None = None) -> str:
+    """The task statement that goes with the first picture (plus coordinates when given)."""
+    return _with_where((
         f"This picture is a {maze_size}x{maze_size} maze: grey cells are walls, white cells are floor, "
         "the blue circle is you and the red square is the goal. "
         f"Reply with exactly one action per turn: ('move', d) with d = {_direction_legend()}; "
         "or ('stop', 'stop'). Each move goes one cell; walls block moves. "
         "You win only by saying stop while standing on the goal. "
         f"You have {max_turns} turns."
-    )
+    ), where)
+
+
+def _with_where(text: str, where: str | None) -> str:
+    return f"{text} {where}" if where else text
 
 
 def _turns_left_text(turns_left: int) -> str:
@@ -94,9 +111,10 @@ def _turns_left_text(turns_left: int) -> str:
     return f"You have {turns_left} turns left."
 
 
-def observation_text(feedback: str, turns_left: int) -> str:
-    """What follows each action: the environment's feedback and the remaining turn budget."""
-    return f"{feedback} {_turns_left_text(turns_left)} Your next action?"
+def observation_text(feedback: str, turns_left: int, where: str | None = None) -> str:
+    """What follows each action: the environment's feedback (and coordinates) and the turn budget."""
+    middle = f" {where}" if where else ""
+    return f"{feedback}{middle} {_turns_left_text(turns_left)} Your next action?"
 
 
 def _image_part() -> dict:
@@ -112,12 +130,12 @@ def system_message() -> dict:
     return {"role": "system", "content": [_text_part(SYSTEM_PROMPT)]}
 
 
-def first_user_message(max_turns: int, maze_size: int) -> dict:
-    return {"role": "user", "content": [_image_part(), _text_part(first_turn_text(max_turns, maze_size))]}
+def first_user_message(max_turns: int, maze_size: int, where: str | None = None) -> dict:
+    return {"role": "user", "content": [_image_part(), _text_part(first_turn_text(max_turns, maze_size, where))]}
 
 
-def observation_message(feedback: str, turns_left: int) -> dict:
-    return {"role": "user", "content": [_image_part(), _text_part(observation_text(feedback, turns_left))]}
+def observation_message(feedback: str, turns_left: int, where: str | None = None) -> dict:
+    return {"role": "user", "content": [_image_part(), _text_part(observation_text(feedback, turns_left, where))]}
 
 
 def assistant_message(text: str) -> dict:

@@ -62,16 +62,17 @@ class ChatCodec:
         without = self._encode(before + IMAGE_OMITTED_TEXT + after)
         return with_image, without
 
-    def opening(self, image: Image.Image, max_turns: int, maze_size: int) -> Segment:
+    def opening(self, image: Image.Image, max_turns: int, maze_size: int, where: str | None = None) -> Segment:
         before = (f"<|im_start|>system\n{dialogue.SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n")
-        after = f"{dialogue.first_turn_text(max_turns, maze_size)}<|im_end|>\n<|im_start|>assistant\n"
+        after = f"{dialogue.first_turn_text(max_turns, maze_size, where)}<|im_end|>\n<|im_start|>assistant\n"
         ids, without = self._with_image(before, image, after)
         return Segment(ids, [image], without_images=without)
 
-    def observation(self, image: Image.Image, feedback: str, turns_left: int, close_turn: bool) -> Segment:
+    def observation(self, image: Image.Image, feedback: str, turns_left: int, close_turn: bool,
+                    where: str | None = None) -> Segment:
         """The user turn after an action; close_turn adds the `<|im_end|>` a reply cut at max_new_tokens lacks."""
         before = ("<|im_end|>" if close_turn else "") + "\n<|im_start|>user\n"
-        after = f"{dialogue.observation_text(feedback, turns_left)}<|im_end|>\n<|im_start|>assistant\n"
+        after = f"{dialogue.observation_text(feedback, turns_left, where)}<|im_end|>\n<|im_start|>assistant\n"
         ids, without = self._with_image(before, image, after)
         return Segment(ids, [image], without_images=without)
 

@@ -23,6 +23,7 @@ class EpisodeSettings:
     cell_px: int
     image_history: int = 0  # keep the last K images in context; 0 keeps all
     max_model_len: int = 4096
+    feedback: str = "visgym"  # or "compass": the observation text also says where the goal lies
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,14 @@ class EpisodeRequest:
     sample: int = 0
 
 
-class _Running:
+class RunningEpisode:
     """One episode in flight: the maze, the full segment history, and the current context view."""
 
     def __init__(self, request: EpisodeRequest, codec: ChatCodec, settings: EpisodeSettings):
         self.request, self.codec, self.settings = request, codec, settings
         self.env = MazeEpisode(request.maze, settings.max_turns)
         image = as_image(self.env.image(settings.cell_px))
-        self.history: list[Segment] = [codec.opening(image, settings.max_turns, settings.maze_size)]
+        self.history: list[Segment] = [codec.opening(image, settings.max_turns, settings.maze_size, self._where())]
         self.image_count = 1
         self.pngs = [image_to_png(image)]
         self.first_trained = 0  # history index from which generated segments belong to the current sequence
@@ -47,6 +48,11 @@ class _Running:
         self.replies: list[str] = []
         self.actions: list[str | None] = []
         self.truncated = 0
+
+    def _where(self) -> str | None:
+        if self.settings.feedback != "compass":
+            return None
+        return dialogue.compass_text(self.env.position, self.env.maze.goal)
 
     def _view(self) -> tuple[list[Segment], list[int]]:
         """The context as the model sees it: images outside the window replaced by a short note."""
@@ -89,7 +95,8 @@ class _Running:
             self._close_sequence()
             return
         image = as_image(self.env.image(self.settings.cell_px))
-        observation = codec.observation(image, result.feedback, self.env.turns_left, close_turn=not closed_by_model)
+        observation = codec.observation(image, result.feedback, self.env.turns_left, close_turn=not closed_by_model,
+                                        where=self._where())
         k = self.settings.image_history
         if k and self.image_count + 1 > k:
             # The oldest image leaves the window: the context changes before this point, so the
@@ -115,7 +122,7 @@ class _Running:
 def play_episodes(engine: Engine, codec: ChatCodec, requests: list[EpisodeRequest], settings: EpisodeSettings,
                   sampling: Sampling) -> list[Trajectory]:
     """Plays every request to its end; trajectories come back in request order."""
-    running = [_Running(r, codec, settings) for r in requests]
+    running = [RunningEpisode(r, codec, settings) for r in requests]
     active = list(range(len(running)))
     turn = 0
     while active:
@@ -140,9 +147,13 @@ def context_budget(codec: ChatCodec, settings: EpisodeSettings, max_new_tokens: 
 
     maze = generate_maze(0, settings.maze_size)
     image = as_image(MazeEpisode(maze, settings.max_turns).image(settings.cell_px))
-    opening = codec.opening(image, settings.max_turns, settings.maze_size)
+    where = None
+    if settings.feedback == "compass":
+        far = settings.maze_size - 3
+        where = dialogue.compass_text((0, 0), (far, far))
+    opening = codec.opening(image, settings.max_turns, settings.maze_size, where)
     longest_feedback = max([INVALID_ACTION_FEEDBACK] + [wall_feedback(d) for d in range(4)], key=len) + OUT_OF_TURNS_SUFFIX
-    obs = codec.observation(image, longest_feedback, settings.max_turns, close_turn=True)
+    obs = codec.observation(image, longest_feedback, settings.max_turns, close_turn=True, where=where)
     k = settings.image_history
     turns_after_first = settings.max_turns - 1
     keeps_all = not k or k >= settings.max_turns  # at the last turn the window holds the newest k images

@@ -49,7 +49,7 @@ PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH = 16, 2, 2
 PIXELS_PER_TOKEN = (PATCH_SIZE * MERGE_SIZE) ** 2  # one language-model token per 32x32 pixels
 
 
-MODEL_FORMAT_VERSION = 1  # bump when the tiny model's construction changes, so caches rebuild
+MODEL_FORMAT_VERSION = 4  # bump when the tiny model's construction changes, so caches rebuild
 
 
 def shape_key(shape: TinyModelShape) -> str:
@@ -91,9 +91,10 @@ def tokenizer_corpus() -> list[str]:
     feedbacks = [maze.INVALID_ACTION_FEEDBACK, maze.SOLVED_FEEDBACK, maze.STOPPED_OFF_GOAL_FEEDBACK]
     for d in range(4):
         feedbacks += [maze.moved_feedback(d), maze.wall_feedback(d), maze.moved_feedback(d) + maze.OUT_OF_TURNS_SUFFIX]
+    wheres = [None] + [dialogue.compass_text((0, 0), (r, c)) for r in range(-10, 11, 3) for c in range(-10, 11, 3)]
     for fb in feedbacks:
         for left in range(0, 32):
-            lines.append(dialogue.observation_text(fb, left))
+            lines.append(dialogue.observation_text(fb, left, wheres[left % len(wheres)]))
     actions = [maze.Action.move(d) for d in range(4)] + [maze.Action.stop()]
     lines += [dialogue.format_action(a) for a in actions] * 20
     lines.append("".join(chr(c) for c in range(32, 127)))
@@ -191,6 +192,10 @@ def build_tiny_model(shape: TinyModelShape, out_dir: str | os.PathLike) -> Path:
     config = tiny_config(shape, len(tokenizer), ids)
     torch.manual_seed(shape.seed)
     model = Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        # HF's init (std 0.02) caps a tiny model's logits near 2.5, so no token can ever pass ~1% and
+        # the LoRA (which does not touch lm_head) could never make a reply likely. 1/sqrt(hidden) can.
+        model.lm_head.weight.normal_(0.0, shape.hidden_size ** -0.5)
     model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
                                                do_sample=False)
     model.save_pretrained(out)

@@ -1,0 +1,27 @@
+"""Generation engines behind one interface (`base.Engine`): vLLM, and transformers."""
+
+from __future__ import annotations
+
+from app.config import Config
+from app.engines.base import Engine, Generation, Prompt, Sampling
+
+__all__ = ["Engine", "Generation", "Prompt", "Sampling", "make_engine", "max_images_per_prompt"]
+
+
+def max_images_per_prompt(cfg: Config) -> int:
+    return cfg.rollout.image_history or cfg.rollout.max_turns
+
+
+def make_engine(cfg: Config, model_dir: str, device: str = "cpu") -> Engine:
+    """The engine the config asks for, on this process's device."""
+    if cfg.rollout.engine == "vllm":
+        from app.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len,
+                          max_images=max_images_per_prompt(cfg),
+                          gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                          sleep_level=cfg.rollout.sleep_level, enforce_eager=cfg.rollout.enforce_eager,
+                          seed=cfg.train.seed)
+    from app.engines.hf import HFEngine
+
+    return HFEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, device=device)

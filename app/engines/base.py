@@ -57,6 +57,10 @@ class Engine(abc.ABC):
     def load_lora(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Makes `tensors` (PEFT names, validated) the adapter of every later generate call."""
 
+    @abc.abstractmethod
+    def lora_state(self) -> dict[str, torch.Tensor] | None:
+        """The adapter tensors generation uses now (PEFT names), or None before the first load."""
+
     def sleep(self) -> None:
         """Frees what generation holds (KV cache, weights where the engine can offload) between phases."""
 

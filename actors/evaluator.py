@@ -1,0 +1,41 @@
+"""EvaluatorActor: the fixed held-out mazes, played greedily through the rollout actors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ray
+
+from app.config import Config
+from app.engines import Sampling
+from app.evaluation import eval_report
+from app.sampler import eval_mazes
+
+
+@ray.remote
+class EvaluatorActor:
+    def __init__(self, cfg: Config, rollouts: list, out_dir: str):
+        self.cfg, self.rollouts = cfg, rollouts
+        self.out_dir = Path(out_dir)
+        self.mazes = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
+
+    def identities(self) -> list[str]:
+        return [m.identity for m in self.mazes]
+
+    def evaluate(self, step: int) -> dict:
+        """Plays every held-out maze once, greedily; writes per-maze outcomes; returns the summary."""
+        greedy = Sampling(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
+        shares = [[] for _ in self.rollouts]
+        for i, maze in enumerate(self.mazes):
+            shares[i % len(self.rollouts)].append((maze.seed, i))
+        refs = [actor.play.remote(share, 1, greedy)[1] for actor, share in zip(self.rollouts, shares) if share]
+        trajectories = sorted((t for batch in ray.get(refs) for t in batch), key=lambda t: t.group)
+        report = eval_report(trajectories, self.cfg.rollout.max_turns)
+        report["step"] = step
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"eval_step_{step:06d}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(path)
+        return {k: v for k, v in report.items() if k != "mazes"}

@@ -1,0 +1,73 @@
+"""RolloutActor `rollout-{i}`: one generation engine, playing its share of each step's episodes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import ray
+import torch
+
+from app.config import Config
+from app.engines import Sampling, make_engine
+from app.episodes import EpisodeRequest, EpisodeSettings, play_episodes
+from app.maze import generate_maze
+from app.model import ensure_model
+from app.trajectory import Trajectory, summarize
+
+
+def episode_settings(cfg: Config) -> EpisodeSettings:
+    return EpisodeSettings(max_turns=cfg.rollout.max_turns, maze_size=cfg.maze.size, cell_px=cfg.maze.cell_px,
+                           image_history=cfg.rollout.image_history, max_model_len=cfg.rollout.max_model_len,
+                           feedback=cfg.maze.feedback)
+
+
+@ray.remote
+class RolloutActor:
+    def __init__(self, cfg: Config, index: int, model_cache: str):
+        self.cfg, self.index = cfg, index
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model_dir = str(ensure_model(cfg.model, model_cache))
+        self.engine = make_engine(cfg, self.model_dir, device)
+        self.settings = episode_settings(cfg)
+
+    def ready(self) -> dict:
+        return {"index": self.index, "node": ray.get_runtime_context().get_node_id(), **self.engine.stats()}
+
+    @ray.method(num_returns=2)
+    def play(self, maze_seeds: list[tuple[int, int]], n_samples: int, sampling: Sampling) -> tuple[dict, list[Trajectory]]:
+        """Plays each (seed, group) maze n_samples times; returns (summary, trajectories)."""
+        requests = [EpisodeRequest(generate_maze(seed, self.cfg.maze.size), group, s)
+                    for seed, group in maze_seeds for s in range(n_samples)]
+        trajectories = play_episodes(self.engine, self.engine.codec, requests, self.settings, sampling)
+        summary = summarize(trajectories)
+        summary["rewards"] = [(t.group, t.sample, t.reward) for t in trajectories]
+        return summary, trajectories
+
+    def load_lora(self, tensors: dict[str, torch.Tensor], version: int) -> dict:
+        self.engine.load_lora(tensors, version)
+        return {"index": self.index, "version": version}
+
+    def lora_checksum(self) -> str:
+        """Checksum of the adapter the engine generates with ("" before the first sync)."""
+        state = self.engine.lora_state()
+        return lora_checksum(state) if state is not None else ""
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def lora_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over names and raw bytes: equal exactly when the adapters are equal bit for bit."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,96 @@
+"""TrainerActor `trainer-{r}`: rank r of the FSDP2 group that updates the LoRA (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import ray
+import torch
+
+from app.config import Config
+from app.model import ensure_model
+
+
+@ray.remote
+class TrainerActor:
+    def __init__(self, cfg: Config, rank: int, world: int, model_cache: str):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.model_dir = str(ensure_model(cfg.model, model_cache))
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.trainer = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a free port, for rank 0 to host the process group."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        import torch.distributed as dist
+
+        from app.training import PolicyTrainer
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        if self.world > 1:
+            backend = "nccl" if self.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                    world_size=self.world, timeout=timedelta(minutes=30))
+        self.trainer = PolicyTrainer(self.cfg, self.model_dir, self.rank, self.world, self.device)
+        return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id(), "device": self.device}
+
+    @ray.method(num_returns=2)
+    def step(self, trajectory_refs: list, step: int):
+        """One GRPO update on the step's trajectories; rank 0 also returns the new LoRA tensors."""
+        trajectories = [t for batch in ray.get(trajectory_refs) for t in batch]
+        metrics = self.trainer.train_step(trajectories)
+        metrics["step"] = step
+        lora = self.trainer.lora_tensors()  # a collective: every rank takes part
+        return metrics, (lora if self.rank == 0 else None)
+
+    def sft_step(self, maze_seeds: list[int], lr: float) -> dict:
+        """One supervised warm-start step on solver demonstrations of these mazes."""
+        from actors.rollout import episode_settings
+        from app.maze import generate_maze
+        from app.sft import demonstrations
+
+        mazes = [generate_maze(s, self.cfg.maze.size) for s in maze_seeds]
+        return self.trainer.sft_step(demonstrations(mazes, self.trainer.codec, episode_settings(self.cfg)), lr)
+
+    @ray.method(num_returns=4)
+    def checkpoint_state(self):
+        """(adapter, optimizer tensors, rng tensors, JSON) for a checkpoint; rank 0 returns them, others None."""
+        from app.checkpoint import capture_rng
+
+        adapter = self.trainer.lora_tensors()
+        optimizer, state = self.trainer.optimizer_state()
+        rng, rng_json = capture_rng()
+        if self.rank != 0:
+            return None, None, None, None
+        return adapter, optimizer, rng, {**state, "rng": rng_json}
+
+    def load_state(self, saved) -> int:
+        """Restores a checkpoint's TrainingState (None: keep the fresh state); returns its step."""
+        from app.checkpoint import restore_rng
+
+        if saved is None:
+            return 0
+        trainer_state = saved.state["trainer"]
+        self.trainer.load_state(saved.adapter, saved.optimizer, trainer_state)
+        if self.rank == 0 and saved.rng_tensors:
+            restore_rng(saved.rng_tensors, trainer_state["rng"])
+        return saved.step
+
+    def lora(self):
+        """The current adapter (rank 0 returns it, the others None); every rank must be called."""
+        tensors = self.trainer.lora_tensors()
+        return tensors if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,119 @@
+"""One call records a step's metrics: Ray metrics (Prometheus), the JSONL log, and the console.
+
+Ray metric names are `mazerl_<name>` with a `run` tag, created once per name; only numbers are
+exported. The JSONL log (`<run dir>/metrics.jsonl`) keeps everything, one object per line, and is
+what plots and reports are rebuilt from. The console shows a progress bar with the latest solve rate
+when attached to a terminal, and one line per step otherwise (Ray job logs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+# Exported to Prometheus with a one-line description; every other numeric metric goes to the log only.
+EXPORTED = {
+    "eval_solve_rate": "held-out solve rate (stop on goal within max_turns), greedy",
+    "eval_solvable_bound": "share of held-out mazes solvable within max_turns",
+    "rollout_solve_rate": "solve rate of the step's training episodes",
+    "rollout_reward_mean": "mean reward of the step's training episodes",
+    "train_loss": "GRPO loss",
+    "train_pg_loss": "policy-gradient part of the loss, token mean",
+    "train_kl": "KL to the reference policy (adapter disabled), token mean",
+    "train_clip_fraction": "share of tokens whose ratio was clipped",
+    "train_entropy": "policy entropy on trained tokens",
+    "train_grad_norm": "global gradient norm before clipping",
+    "train_logprob_mismatch_mean": "mean |trainer - rollout| logprob on sampled tokens",
+    "rollout_generated_tokens_per_s": "generated tokens per second in the rollout phase",
+    "time_rollout_s": "rollout phase duration",
+    "time_train_s": "train phase duration",
+    "time_sync_s": "LoRA sync duration",
+    "time_eval_s": "evaluation duration",
+    "time_step_s": "whole step duration",
+    "lora_version": "adapter version the rollout engines hold",
+    "recoveries": "actor or node losses recovered from",
+    "checkpoint_age_steps": "steps since the last complete checkpoint",
+    "step": "the step number",
+}
+
+
+def prometheus_name(name: str) -> str:
+    return "mazerl_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+class MetricsSink:
+    def __init__(self, run_dir: str | Path, run_name: str, total_steps: int, prometheus: bool = True,
+                 progress_bar: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run_name, self.total_steps = run_name, total_steps
+        self._gauges: dict = {}
+        self._prometheus = prometheus
+        self._bar = None
+        self.latest_solve_rate: float | None = None
+        if progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc=f"mazerl {run_name}", unit="step", dynamic_ncols=True)
+
+    def record(self, step: int, metrics: dict) -> None:
+        entry = {"step": step, "time": time.time(), **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(entry, default=_plain) + "\n")
+        if "eval_solve_rate" in metrics:
+            self.latest_solve_rate = metrics["eval_solve_rate"]
+        if self._prometheus:
+            self._export(entry)
+        self._console(step, metrics)
+
+    def _export(self, entry: dict) -> None:
+        from ray.util.metrics import Gauge
+
+        for name, value in entry.items():
+            if name not in EXPORTED or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if not math.isfinite(value):
+                continue
+            gauge = self._gauges.get(name)
+            if gauge is None:
+                gauge = self._gauges[name] = Gauge(prometheus_name(name), description=EXPORTED[name], tag_keys=("run",))
+            gauge.set(float(value), tags={"run": self.run_name})
+
+    def _console(self, step: int, m: dict) -> None:
+        solve = "n/a" if self.latest_solve_rate is None else f"{100 * self.latest_solve_rate:.1f}%"
+        parts = [f"step {step}/{self.total_steps}", f"eval solve {solve}"]
+        if "rollout_solve_rate" in m:
+            parts.append(f"train solve {100 * m['rollout_solve_rate']:.1f}%")
+        if "train_loss" in m:
+            parts.append(f"loss {m['train_loss']:+.4f}")
+        if "train_logprob_mismatch_mean" in m:
+            parts.append(f"mismatch {m['train_logprob_mismatch_mean']:.1e}")
+        anatomy = " ".join(f"{k[5:-2]} {m[k]:.1f}s" for k in ("time_rollout_s", "time_train_s", "time_sync_s",
+                                                            "time_eval_s", "time_checkpoint_s") if k in m)
+        if anatomy:
+            parts.append(anatomy)
+        line = " | ".join(parts)
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"solve {solve}")
+            self._bar.update(max(0, step - self._bar.n))
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def read_log(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

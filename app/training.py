@@ -1,0 +1,306 @@
+"""The GRPO update on one trainer rank: the policy model with LoRA, sharded with FSDP2, and its optimizer.
+
+`PolicyTrainer` runs in a plain process (world size 1, no process group) for tests and scripts, and as
+rank r of N inside `actors.trainer.TrainerActor`, where every rank holds the whole batch's trajectories,
+computes the same advantages, and trains on its own share of the sequences. Ranks run the same number
+of forward/backward passes (FSDP's collectives must line up), padding with zero-weight passes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from app import adapters, grpo
+from app.config import Config
+from app.encoding import ChatCodec, png_to_image
+from app.engines.base import logprobs_of
+from app.model import apply_lora, load_model, load_processor
+from app.trajectory import Trajectory
+
+
+@dataclass
+class TrainItem:
+    """One sequence to train on, with its trajectory's advantage."""
+
+    token_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantage: float
+    images: list  # PIL images, in order of appearance
+
+    @property
+    def tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def build_items(trajectories: list[Trajectory], result: grpo.AdvantageResult) -> list[TrainItem]:
+    items = []
+    for traj, adv, keep in zip(trajectories, result.advantages, result.keep):
+        if not keep:
+            continue
+        pictures = [png_to_image(png) for png in traj.images]
+        for seq in traj.sequences:
+            items.append(TrainItem(torch.tensor(seq.token_ids, dtype=torch.long),  # copies: Ray's arrays are read-only
+                                   torch.tensor(seq.loss_mask, dtype=torch.float32),
+                                   torch.tensor(seq.rollout_logprobs, dtype=torch.float32), adv,
+                                   [pictures[i] for i in seq.image_indices]))
+    return items
+
+
+def shard(items: list[TrainItem], rank: int, world: int) -> list[TrainItem]:
+    """This rank's share: longest first, each to the rank with the fewest tokens so far (deterministic)."""
+    loads = [0] * world
+    mine = []
+    for index in sorted(range(len(items)), key=lambda i: (-len(items[i].token_ids), i)):
+        target = min(range(world), key=lambda r: (loads[r], r))
+        loads[target] += len(items[index].token_ids)
+        if target == rank:
+            mine.append(items[index])
+    return mine
+
+
+class PolicyTrainer:
+    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world: int = 1, device: str = "cpu"):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.device = torch.device(device)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.processor = load_processor(model_dir)
+        self.codec = ChatCodec(self.processor)
+        self.forbidden = self.codec.forbidden_ids()
+        base = load_model(model_dir, cfg.model.dtype, self.device)
+        self.spec = adapters.AdapterSpec.for_model(base.config.text_config, cfg.lora)
+        if cfg.model.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.enable_input_require_grads()
+        torch.manual_seed(cfg.train.seed)  # every rank must initialise the same LoRA before sharding
+        self.model = apply_lora(base, cfg.lora, cfg.model.adapter_init)
+        if self.distributed:
+            self._shard_with_fsdp2()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                           betas=(0.9, 0.999), eps=1e-8)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.steps_done = 0
+        self._sft_optimizer = None
+
+    def _shard_with_fsdp2(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.cfg.model.dtype), reduce_dtype=torch.float32)
+        inner = self.model.base_model.model.model
+        for block in list(inner.visual.blocks) + list(inner.language_model.layers):
+            fully_shard(block, mp_policy=mp)
+        fully_shard(self.model, mp_policy=mp)
+
+    def _lr_factor(self, step: int) -> float:
+        t = self.cfg.train
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "cosine":
+            span = max(self.cfg.total_steps - t.warmup_steps, 1)
+            return 0.5 * (1 + math.cos(math.pi * min(step - t.warmup_steps, span) / span))
+        return 1.0
+
+    # ------------------------------------------------------------ forward
+    def _inputs(self, batch: list[TrainItem]) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        width = max(len(it.token_ids) for it in batch)
+        ids = torch.full((len(batch), width), self.codec.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        mask = torch.zeros(len(batch), width)
+        for row, it in enumerate(batch):
+            n = len(it.token_ids)
+            ids[row, :n], attention[row, :n], mask[row, :n] = it.token_ids, 1, it.loss_mask
+        inputs = {"input_ids": ids, "attention_mask": attention, "mm_token_type_ids": self.codec.mm_token_type_ids(ids)}
+        inputs.update(self.codec.vision_inputs([img for it in batch for img in it.images]))
+        return {k: v.to(self.device) for k, v in inputs.items()}, ids, mask
+
+    def token_logprobs(self, batch: list[TrainItem], with_grad: bool, adapter: bool = True):
+        """(logp, entropy, mask, positions): per trained position, under the sampling distribution.
+
+        Only positions whose next token is trained get logits (`logits_to_keep`), which keeps the
+        [batch, positions, vocab] tensor small for a large vocabulary.
+        """
+        inputs, ids, mask = self._inputs(batch)
+        wanted = mask[:, 1:].any(dim=0).nonzero().squeeze(-1)  # positions t-1 that predict a trained token t
+        temperature = self.cfg.rollout.temperature
+        ctx = torch.enable_grad() if with_grad else torch.no_grad()
+        with ctx:
+            if adapter:
+                out = self.model(**inputs, logits_to_keep=wanted.to(self.device), use_cache=False)
+            else:
+                with self.model.disable_adapter():
+                    out = self.model(**inputs, logits_to_keep=wanted.to(self.device), use_cache=False)
+            logits = out.logits.float()
+            kept_mask = mask[:, wanted + 1]
+            # Untrained positions may hold image pads, which are forbidden (-inf): score a harmless id there.
+            targets = torch.where(kept_mask > 0, ids[:, wanted + 1], self.codec.pad_id).to(self.device)
+            logp = logprobs_of(logits, targets, temperature, self.forbidden)
+            entropy = None
+            if adapter:
+                with torch.no_grad():
+                    masked = logits.detach().clone()
+                    masked[..., self.forbidden] = float("-inf")
+                    dist_logp = torch.log_softmax(masked / temperature, dim=-1)
+                    entropy = -(dist_logp.exp() * torch.nan_to_num(dist_logp, neginf=0.0)).sum(-1)
+        return logp, entropy, kept_mask.to(self.device), wanted
+
+    # ------------------------------------------------------------ the update
+    def train_step(self, trajectories: list[Trajectory]) -> dict:
+        t0 = time.perf_counter()
+        cfg = self.cfg.train
+        result = grpo.compute_advantages([t.group for t in trajectories], [t.reward for t in trajectories],
+                                         cfg.advantage, cfg.drop_zero_variance_groups)
+        items = shard(build_items(trajectories, result), self.rank, self.world)
+        batches = [items[i:i + cfg.micro_batch] for i in range(0, len(items), cfg.micro_batch)]
+        local = torch.tensor([float(sum(it.tokens for it in items)), float(len(batches))])
+        total_tokens, passes = self._all_reduce(local[:1].clone()).item(), int(self._all_reduce(local[1:].clone(), "max").item())
+        sums = torch.zeros(8, dtype=torch.float64)  # pg, kl, clipped, tokens, entropy, |mismatch|, max mismatch, loss
+        grad_norm = 0.0
+        old = [None] * passes
+        if cfg.update_epochs > 1:  # the update changes the policy: freeze the pre-update logprobs first
+            old = [self.token_logprobs(self._batch(batches, i), with_grad=False)[0] for i in range(passes)]
+        for epoch in range(cfg.update_epochs):
+            for i in range(passes):
+                batch = self._batch(batches, i)
+                weight = 1.0 if i < len(batches) else 0.0  # a padding pass keeps collectives aligned
+                logp, entropy, mask, wanted = self.token_logprobs(batch, with_grad=True)
+                old_logp = logp.detach() if old[i] is None else old[i]
+                adv = torch.tensor([it.advantage for it in batch], device=logp.device).unsqueeze(1).expand_as(logp)
+                ref = None
+                if self.cfg.train.kl_coef > 0:
+                    ref = self.token_logprobs(batch, with_grad=False, adapter=False)[0]
+                terms = grpo.policy_loss(logp, old_logp, adv, mask * weight, cfg.clip_low, cfg.clip_high,
+                                         max(total_tokens, 1.0) / self.world, ref, cfg.kl_coef)
+                if self.distributed and hasattr(self.model, "set_requires_gradient_sync"):
+                    self.model.set_requires_gradient_sync(i == passes - 1)
+                terms.loss.backward()
+                if epoch == 0 and weight:
+                    padded = torch.zeros(len(batch), max(len(it.token_ids) for it in batch))
+                    for row, it in enumerate(batch):
+                        padded[row, :len(it.token_ids)] = it.rollout_logprobs
+                    diff = ((logp.detach().cpu() - padded[:, wanted + 1]).abs() * mask.cpu())
+                    sums += torch.tensor([terms.pg_loss.item(), terms.kl.item(), terms.clipped.item(), terms.tokens,
+                                          float((entropy.cpu() * mask.cpu()).sum()), float(diff.sum()),
+                                          0.0, terms.loss.item() * self.world], dtype=torch.float64)
+                    sums[6] = max(sums[6].item(), float(diff.max()) if diff.numel() else 0.0)
+            grad_norm = self._clip_and_step(self.optimizer, self.scheduler)
+        self.steps_done += 1
+        return self._metrics(sums, grad_norm, result, len(items), time.perf_counter() - t0)
+
+    def sft_step(self, demonstrations: list[Trajectory], lr: float) -> dict:
+        """One supervised step: token-mean negative log-likelihood of the demonstrated replies."""
+        t0 = time.perf_counter()
+        if self._sft_optimizer is None:  # its own optimizer: the warm start leaves GRPO's Adam state untouched
+            self._sft_optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+        keep = grpo.AdvantageResult([0.0] * len(demonstrations), [True] * len(demonstrations), len(demonstrations), 0)
+        items = shard(build_items(demonstrations, keep), self.rank, self.world)
+        batches = [items[i:i + self.cfg.train.micro_batch] for i in range(0, len(items), self.cfg.train.micro_batch)]
+        local = torch.tensor([float(sum(it.tokens for it in items)), float(len(batches))])
+        total_tokens = self._all_reduce(local[:1].clone()).item()
+        passes = int(self._all_reduce(local[1:].clone(), "max").item())
+        nll = torch.zeros(2, dtype=torch.float64)
+        for i in range(passes):
+            batch = self._batch(batches, i)
+            weight = 1.0 if i < len(batches) else 0.0
+            logp, _, mask, _ = self.token_logprobs(batch, with_grad=True)
+            loss = -(logp * mask * weight).sum() / (max(total_tokens, 1.0) / self.world)
+            if self.distributed and hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(i == passes - 1)
+            loss.backward()
+            nll += torch.tensor([-(logp.detach() * mask * weight).sum().item(), (mask * weight).sum().item()],
+                                dtype=torch.float64)
+        grad_norm = self._clip_and_step(self._sft_optimizer)
+        s = self._all_reduce(nll.clone())
+        return {"sft_nll": s[0].item() / max(s[1].item(), 1.0), "sft_tokens": s[1].item(), "grad_norm": grad_norm,
+                "sft_step_s": time.perf_counter() - t0}
+
+    def _batch(self, batches: list[list[TrainItem]], i: int) -> list[TrainItem]:
+        return batches[i] if i < len(batches) else batches[0][:1]
+
+    def _clip_and_step(self, optimizer, scheduler=None) -> float:
+        limit = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, limit)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def _all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return t
+
+    def _metrics(self, sums: torch.Tensor, grad_norm: float, result: grpo.AdvantageResult, sequences: int,
+                 seconds: float) -> dict:
+        mismatch_max = self._all_reduce(sums[6:7].clone().float(), "max").item()
+        s = self._all_reduce(sums.clone())
+        tokens = max(s[3].item(), 1.0)
+        return {
+            "loss": s[7].item() / self.world, "pg_loss": s[0].item() / tokens, "kl": s[1].item() / tokens,
+            "clip_fraction": s[2].item() / tokens, "entropy": s[4].item() / tokens,
+            "logprob_mismatch_mean": s[5].item() / tokens, "logprob_mismatch_max": mismatch_max,
+            "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "trained_tokens": s[3].item(),
+            "groups": result.groups, "zero_variance_groups": result.zero_variance_groups,
+            "sequences_this_rank": sequences, "train_step_s": seconds,
+        }
+
+    # ------------------------------------------------------------ the adapter
+    def lora_tensors(self) -> dict[str, torch.Tensor]:
+        """The full LoRA under PEFT's names (a collective under FSDP: every rank must call it)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if "lora_" not in name:
+                continue
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = full.detach().to("cpu", copy=True).contiguous()
+        return adapters.normalize_keys(out)
+
+    # ------------------------------------------------------------ checkpoint state
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(flat tensors, JSON) of AdamW and the LR schedule, unsharded (a collective under FSDP).
+
+        Unsharded and keyed by parameter name, so a run resumes on any number of trainer ranks.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        tensors = {}
+        for fqn, entry in full.get("state", {}).items():
+            for key, value in entry.items():
+                value = value if torch.is_tensor(value) else torch.tensor(value)
+                tensors[f"{fqn}::{key}"] = value.detach().to("cpu").contiguous()
+        groups = [{k: v for k, v in g.items()} for g in full.get("param_groups", [])]
+        return tensors, {"param_groups": groups, "last_epoch": self.scheduler.last_epoch, "steps_done": self.steps_done}
+
+    def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None,
+                   json_state: dict | None) -> None:
+        """Sets the LoRA (and AdamW + schedule when given) from unsharded tensors; every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        adapter = adapters.normalize_keys(adapter)
+        adapters.validate(adapter, self.spec)
+        names = {next(iter(adapters.normalize_keys({n: None}))): n for n, _ in self.model.named_parameters() if "lora_" in n}
+        full = {names[k]: v.to(torch.float32 if self.params[0].dtype == torch.float32 else v.dtype) for k, v in adapter.items()}
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, full, options=options)
+        if optimizer and json_state:
+            state: dict = {}
+            for key, value in optimizer.items():
+                fqn, field_name = key.rsplit("::", 1)
+                state.setdefault(fqn, {})[field_name] = value
+            set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": json_state["param_groups"]},
+                                     options=options)
+            self.scheduler.last_epoch = json_state["last_epoch"]
+            for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                group["lr"] = base * self._lr_factor(self.scheduler.last_epoch)
+            self.steps_done = json_state["steps_done"]
+

@@ -1,0 +1,135 @@
+"""From the config to Ray resources: one placement group, and where each actor goes.
+
+Colocated (the default): N bundles; rollout actor i and trainer rank i share bundle i, each with half
+its GPU and half its CPUs, and take turns (the engine sleeps while the trainer trains). Not colocated:
+2N bundles, rollout actors in the first N, trainers in the last N, each with a whole bundle. The
+evaluator needs only a little CPU anywhere; the consolidator is pinned to the head node because it
+writes to the head's shared directory and outlives worker nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from app.config import Config, ConfigError
+
+HEAD_RESOURCE = "head"  # KubeRay's head pod advertises it (deploy/k8s); Ray's own marker is the fallback
+RAY_HEAD_MARKER = "node:__internal_head__"
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_pairs: int
+    colocated: bool
+    bundles: list[dict]
+    strategy: str
+    rollout_gpus: float
+    rollout_cpus: float
+    trainer_gpus: float
+    trainer_cpus: float
+    evaluator_cpus: float
+    consolidator_cpus: float
+
+    def rollout_bundle(self, i: int) -> int:
+        return i
+
+    def trainer_bundle(self, i: int) -> int:
+        return i if self.colocated else self.num_pairs + i
+
+    @property
+    def total_gpus(self) -> float:
+        return sum(b.get("GPU", 0) for b in self.bundles)
+
+    @property
+    def total_cpus(self) -> float:
+        return sum(b.get("CPU", 0) for b in self.bundles) + self.evaluator_cpus + self.consolidator_cpus
+
+
+def make_plan(cfg: Config) -> Plan:
+    p = cfg.placement
+    n, gpus, cpus = p.num_bundles, p.gpus_per_bundle, p.cpus_per_bundle
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    if p.colocate_all:
+        share = 0.5
+        bundles = [dict(bundle) for _ in range(n)]
+    else:
+        share = 1.0
+        bundles = [dict(bundle) for _ in range(2 * n)]
+    return Plan(num_pairs=n, colocated=p.colocate_all, bundles=bundles, strategy="PACK",
+                rollout_gpus=gpus * share, rollout_cpus=cpus * share, trainer_gpus=gpus * share,
+                trainer_cpus=cpus * share, evaluator_cpus=p.evaluator_cpus, consolidator_cpus=p.consolidator_cpus)
+
+
+def check_cluster(plan: Plan, resources: dict) -> None:
+    """Fails before any actor starts when the cluster can never hold the plan."""
+    have_gpu, have_cpu = resources.get("GPU", 0), resources.get("CPU", 0)
+    if plan.total_gpus > have_gpu:
+        raise ConfigError("placement.gpus_per_bundle", f"the plan needs {plan.total_gpus:g} GPUs, the cluster has {have_gpu:g}",
+                          "lower placement.num_bundles, or set gpus_per_bundle=0 on a CPU machine")
+    if plan.total_cpus > have_cpu:
+        raise ConfigError("placement.cpus_per_bundle", f"the plan needs {plan.total_cpus:g} CPUs, the cluster has {have_cpu:g}",
+                          "lower placement.cpus_per_bundle or placement.num_bundles")
+
+
+def create_placement_group(plan: Plan, timeout_s: float, name: str = ""):
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(plan.bundles, strategy=plan.strategy, name=name)
+    start = time.monotonic()
+    ready = pg.ready()
+    remaining = timeout_s
+    while remaining > 0:
+        done, _ = ray.wait([ready], timeout=min(remaining, 5.0))
+        if done:
+            ray.get(ready)
+            return pg
+        remaining = timeout_s - (time.monotonic() - start)
+    ray.util.remove_placement_group(pg)
+    raise TimeoutError(f"the placement group {plan.bundles} was not ready after {timeout_s:.0f} s; "
+                       "the cluster lacks the resources (see placement.wait_for_resources_s)")
+
+
+def in_bundle(pg, index: int) -> dict:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=True)}
+
+
+def rollout_options(plan: Plan, pg, i: int) -> dict:
+    return {"num_cpus": plan.rollout_cpus, "num_gpus": plan.rollout_gpus, **in_bundle(pg, plan.rollout_bundle(i))}
+
+
+def trainer_options(plan: Plan, pg, i: int) -> dict:
+    return {"num_cpus": plan.trainer_cpus, "num_gpus": plan.trainer_gpus, **in_bundle(pg, plan.trainer_bundle(i))}
+
+
+def evaluator_options(plan: Plan) -> dict:
+    return {"num_cpus": plan.evaluator_cpus}
+
+
+def head_resource(cluster_resources: dict) -> str:
+    return HEAD_RESOURCE if cluster_resources.get(HEAD_RESOURCE) else RAY_HEAD_MARKER
+
+
+def consolidator_options(plan: Plan, cluster_resources: dict) -> dict:
+    return {"num_cpus": plan.consolidator_cpus, "resources": {head_resource(cluster_resources): 0.001}}
+
+
+def describe(plan: Plan, cluster_resources: dict | None = None) -> str:
+    lines = [f"placement group: {len(plan.bundles)} bundles, strategy {plan.strategy}"]
+    for i, b in enumerate(plan.bundles):
+        who = []
+        if i < plan.num_pairs:
+            who.append(f"rollout-{i} (GPU {plan.rollout_gpus:g}, CPU {plan.rollout_cpus:g})")
+        for r in range(plan.num_pairs):
+            if plan.trainer_bundle(r) == i:
+                who.append(f"trainer-{r} (GPU {plan.trainer_gpus:g}, CPU {plan.trainer_cpus:g})")
+        lines.append(f"  bundle {i}: {b} -> {', '.join(who)}")
+    lines.append(f"evaluator: CPU {plan.evaluator_cpus:g}, anywhere")
+    marker = head_resource(cluster_resources or {})
+    lines.append(f"consolidator: CPU {plan.consolidator_cpus:g}, pinned to the head node (resource '{marker}')")
+    lines.append(f"total: {plan.total_gpus:g} GPUs, {plan.total_cpus:g} CPUs")
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""The episode loop: token in, token out; exact loss masks; image windows; bad output is an invalid move."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from app.encoding import png_to_image
+from app.engines.base import Engine, Generation, Sampling
+from app.episodes import EpisodeRequest, EpisodeSettings, context_budget, play_episodes
+from app.maze import generate_maze
+from app.trajectory import summarize
+
+REPLIES = ["('move', 0)", "('move', 3)", "I think ('move', 1)", "('stop', 'stop')", "zz%% nonsense", "('move', 9)",
+           "('move', 2) wait ('move', 3)", ""]
+
+
+class ScriptedEngine(Engine):
+    """Replies drawn at random (valid moves, stops, garbage, replies cut before <|im_end|>), remembered."""
+
+    def __init__(self, codec, seed=0):
+        self.codec, self.rng, self.lora_version = codec, random.Random(seed), 0
+        self.log: list[tuple[list[int], list[int]]] = []  # (prompt ids, generated ids) of every request
+
+    def generate(self, prompts, sampling):
+        out = []
+        for p in prompts:
+            text = self.rng.choice(REPLIES)
+            ids = self.codec.tokenizer.encode(text, add_special_tokens=False)
+            cut = self.rng.random() < 0.2
+            ids = (ids[: sampling.max_new_tokens] or ids[:1] or [33]) if cut else ids + [self.codec.im_end_id]
+            logps = [-self.rng.random() for _ in ids]
+            first_image = hash(p.images[0].tobytes()) if p.images else 0  # ids alone do not tell mazes apart
+            self.log.append(((first_image, *p.token_ids), ids))
+            out.append(Generation(ids, logps, "length" if cut else "stop"))
+        return out
+
+    def load_lora(self, tensors, version):
+        self.lora_version = version
+
+    def lora_state(self):
+        return None
+
+    def stats(self):
+        return {}
+
+
+def settings(k=0, turns=10):
+    return EpisodeSettings(max_turns=turns, maze_size=7, cell_px=32, image_history=k, max_model_len=4096)
+
+
+def requests(n=64):
+    return [EpisodeRequest(generate_maze(i // 8, 7), i // 8, i % 8) for i in range(n)]
+
+
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_masks_select_exactly_the_sampled_tokens(codec, window):
+    engine = ScriptedEngine(codec, seed=window)
+    trajectories = play_episodes(engine, codec, requests(), settings(window), Sampling(12))
+    lengths = {t.turns for t in trajectories}
+    assert len(lengths) > 3  # mixed lengths: episodes left the batch at different turns
+    for t in trajectories:
+        assert [codec.decode(ids) for ids in per_turn_ids(t)] == t.replies
+        assert sum(s.num_loss_tokens for s in t.sequences) == sum(len(ids) for ids in per_turn_ids(t))
+        for s in t.sequences:
+            assert (s.rollout_logprobs[s.loss_mask == 0] == 0).all()
+            assert (s.rollout_logprobs[s.loss_mask == 1] < 0).all()
+            if window:
+                assert len(s.image_indices) <= window
+            assert (s.token_ids == codec.image_pad_id).sum() == sum(
+                codec.image_tokens(png_to_image(t.images[i])) for i in s.image_indices)
+
+
+def per_turn_ids(trajectory):
+    """The generated ids of each turn, recovered from the masks (runs of 1s in turn order, deduplicated)."""
+    turns, seen = [], 0
+    for s in trajectory.sequences:
+        runs, current = [], []
+        for tok, m in zip(s.token_ids.tolist(), s.loss_mask.tolist()):
+            if m:
+                current.append(tok)
+            elif current:
+                runs.append(current)
+                current = []
+        if current:
+            runs.append(current)
+        turns.extend(runs)
+        seen += len(runs)
+    assert seen == trajectory.turns
+    return turns
+
+
+def test_token_in_token_out_prompts_are_prefixes(codec):
+    """Without a window each prompt extends the previous one by exactly the sampled ids + an observation."""
+    engine = ScriptedEngine(codec, seed=3)
+    distinct = [EpisodeRequest(generate_maze(i, 7), i, 0) for i in range(8)]  # no two prompts alike
+    trajectories = play_episodes(engine, codec, distinct, settings(0), Sampling(12))
+    by_prefix = {}
+    for prompt, gen in engine.log:
+        for earlier, earlier_gen in by_prefix.items():
+            if len(prompt) > len(earlier) and tuple(prompt[: len(earlier)]) == earlier:
+                assert list(prompt[len(earlier): len(earlier) + len(earlier_gen)]) == earlier_gen
+        by_prefix[tuple(prompt)] = gen
+    for t in trajectories:
+        assert len(t.sequences) == 1
+        final = t.sequences[0].token_ids.tolist()
+        assert any(final[: len(p) - 1] == list(p[1:]) for p, _ in engine.log)
+
+
+def test_each_turn_and_outcome_recorded(codec):
+    engine = ScriptedEngine(codec, seed=5)
+    trajectories = play_episodes(engine, codec, requests(32), settings(2, turns=6), Sampling(12))
+    for t in trajectories:
+        assert len(t.replies) == len(t.actions) == t.turns == len(t.images)
+        assert t.outcome in ("solved", "stopped_off_goal", "out_of_turns")
+        assert (t.outcome == "out_of_turns") == (t.turns == 6 and t.actions[-1] != "('stop', 'stop')")
+        assert t.invalid_actions >= sum(a is None for a in t.actions)
+        assert t.truncated_replies <= t.turns
+    s = summarize(trajectories)
+    assert s["episodes"] == 32 and 0 <= s["invalid_action_rate"] <= 1
+
+
+def test_tiny_model_garbage_is_invalid_moves(hf_engine, codec):
+    """A random model speaks no action: every turn is an invalid move, and nothing crashes."""
+    import torch
+
+    hf_engine.load_lora({k: torch.zeros(s) for k, s in hf_engine.spec.shapes.items()}, 0)
+    trajectories = play_episodes(hf_engine, codec, requests(64), settings(0, turns=3), Sampling(10, 1.0, seed=1))
+    assert len(trajectories) == 64
+    for t in trajectories:
+        assert t.outcome == "out_of_turns" and t.turns == 3
+        assert t.actions == [None, None, None] and t.invalid_actions == 3
+        assert [codec.decode(ids) for ids in per_turn_ids(t)] == t.replies
+        trained = t.sequences[0].token_ids[t.sequences[0].loss_mask == 1]
+        assert not set(codec.forbidden_ids()) & set(trained.tolist())
+
+
+def test_rollout_logprobs_are_the_engines(hf_engine, codec):
+    import torch
+
+    hf_engine.load_lora({k: torch.zeros(s) for k, s in hf_engine.spec.shapes.items()}, 0)
+    trajectories = play_episodes(hf_engine, codec, requests(4), settings(0, turns=2), Sampling(8, 1.0, seed=2))
+    for t in trajectories:
+        s = t.sequences[0]
+        logps = s.rollout_logprobs[s.loss_mask == 1]
+        assert len(logps) > 0 and np.all(logps < 0) and np.all(np.isfinite(logps))
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_context_budget_bounds_every_context(codec, window):
+    engine = ScriptedEngine(codec, seed=9)
+    st = settings(window, turns=8)
+    trajectories = play_episodes(engine, codec, requests(16), st, Sampling(12))
+    longest = max(len(s.token_ids) for t in trajectories for s in t.sequences)
+    assert longest <= context_budget(codec, st, 12)
+
+
+def test_context_over_max_model_len_is_a_clear_error(codec):
+    engine = ScriptedEngine(codec)
+    with pytest.raises(ValueError, match="max_model_len"):
+        play_episodes(engine, codec, requests(2), EpisodeSettings(10, 7, 32, 0, max_model_len=100), Sampling(12))
