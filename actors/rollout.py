@@ -7,6 +7,7 @@ import hashlib
 import ray
 import torch
 
+from app.adapters import PackedTensors, unpack
 from app.config import Config
 from app.engines import Sampling, make_engine
 from app.episodes import EpisodeRequest, EpisodeSettings, play_episodes
@@ -43,8 +44,9 @@ class RolloutActor:
         summary["rewards"] = [(t.group, t.sample, t.reward) for t in trajectories]
         return summary, trajectories
 
-    def load_lora(self, tensors: dict[str, torch.Tensor], version: int) -> dict:
-        self.engine.load_lora(tensors, version)
+    def load_lora(self, adapter: PackedTensors | dict[str, torch.Tensor], version: int) -> dict:
+        """Loads the adapter (a zero-copy view of the object store; the engine copies it) as `version`."""
+        self.engine.load_lora(unpack(adapter), version)
         return {"index": self.index, "version": version}
 
     def lora_checksum(self) -> str:
@@ -62,8 +64,9 @@ class RolloutActor:
         return self.engine.stats()
 
 
-def lora_checksum(tensors: dict[str, torch.Tensor]) -> str:
+def lora_checksum(tensors: PackedTensors | dict[str, torch.Tensor]) -> str:
     """sha256 over names and raw bytes: equal exactly when the adapters are equal bit for bit."""
+    tensors = unpack(tensors)
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()

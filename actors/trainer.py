@@ -9,6 +9,7 @@ from datetime import timedelta
 import ray
 import torch
 
+from app.adapters import pack, unpack
 from app.config import Config
 from app.model import ensure_model
 
@@ -49,7 +50,7 @@ class TrainerActor:
         metrics = self.trainer.train_step(trajectories)
         metrics["step"] = step
         lora = self.trainer.lora_tensors()  # a collective: every rank takes part
-        return metrics, (lora if self.rank == 0 else None)
+        return metrics, (pack(lora) if self.rank == 0 else None)
 
     def sft_step(self, maze_seeds: list[int], lr: float) -> dict:
         """One supervised warm-start step on solver demonstrations of these mazes."""
@@ -70,7 +71,7 @@ class TrainerActor:
         rng, rng_json = capture_rng()
         if self.rank != 0:
             return None, None, None, None
-        return adapter, optimizer, rng, {**state, "rng": rng_json}
+        return pack(adapter), pack(optimizer), rng, {**state, "rng": rng_json}
 
     def load_state(self, saved) -> int:
         """Restores a checkpoint's TrainingState (None: keep the fresh state); returns its step."""
@@ -79,7 +80,7 @@ class TrainerActor:
         if saved is None:
             return 0
         trainer_state = saved.state["trainer"]
-        self.trainer.load_state(saved.adapter, saved.optimizer, trainer_state)
+        self.trainer.load_state(unpack(saved.adapter), unpack(saved.optimizer), trainer_state)
         if self.rank == 0 and saved.rng_tensors:
             restore_rng(saved.rng_tensors, trainer_state["rng"])
         return saved.step
@@ -87,7 +88,7 @@ class TrainerActor:
     def lora(self):
         """The current adapter (rank 0 returns it, the others None); every rank must be called."""
         tensors = self.trainer.lora_tensors()
-        return tensors if self.rank == 0 else None
+        return pack(tensors) if self.rank == 0 else None
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from app.config import LoraSettings
@@ -96,8 +98,11 @@ def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def validate(tensors: dict[str, torch.Tensor], spec: AdapterSpec) -> None:
-    """Raises AdapterMismatch unless the tensors are exactly the expected set, with the expected shapes."""
+def validate(tensors: dict[str, torch.Tensor], spec: AdapterSpec, check_values: bool = True) -> None:
+    """Raises AdapterMismatch unless the tensors are exactly the expected set, with the expected shapes.
+
+    check_values also scans every value for NaN/inf (a full pass over the data); the sync path does that
+    once in the trainer, so the receiving engines check names, shapes and dtypes only."""
     names = set(tensors)
     missing = sorted(set(spec.shapes) - names)
     unexpected = sorted(names - set(spec.shapes))
@@ -114,7 +119,7 @@ def validate(tensors: dict[str, torch.Tensor], spec: AdapterSpec) -> None:
         if not t.is_floating_point():
             problems.append(f"{name} has dtype {t.dtype}, expected a floating-point tensor")
             break
-        if not torch.isfinite(t).all():
+        if check_values and not torch.isfinite(t).all():
             problems.append(f"{name} holds NaN or infinite values")
             break
     if problems:
@@ -124,6 +129,47 @@ def validate(tensors: dict[str, torch.Tensor], spec: AdapterSpec) -> None:
 def contiguous_copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Private CPU copies: vLLM scales lora_B in place, which must never reach the caller's tensors."""
     return {k: v.detach().to("cpu", dtype=dtype or v.dtype, copy=True).contiguous() for k, v in tensors.items()}
+
+
+# ---------------------------------------------------------------- transport through Ray's object store
+
+@dataclass
+class PackedTensors:
+    """Tensors as one contiguous uint8 buffer plus an index.
+
+    Ray stores a numpy array in shared memory and hands readers a zero-copy view, while a dict of torch
+    tensors is pickled and copied by every reader; packing makes the sync one copy in, none out.
+    """
+
+    buffer: np.ndarray
+    index: list[tuple[str, str, tuple[int, ...], int, int]]  # name, dtype, shape, byte offset, byte count
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> PackedTensors:
+    index, offset = [], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        index.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
+        offset += n
+    buffer = np.empty(offset, dtype=np.uint8)
+    for (name, _, _, start, n), t in zip(index, tensors.values()):
+        buffer[start:start + n] = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return PackedTensors(buffer, index)
+
+
+def unpack(packed: "PackedTensors | dict[str, torch.Tensor]") -> dict[str, torch.Tensor]:
+    """Tensors viewing the packed buffer (read-only when it came from Ray: copy before writing)."""
+    if isinstance(packed, dict):
+        return packed
+    with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; nothing here writes to them
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(packed.buffer)
+    return {name: flat[start:start + n].view(getattr(torch, dtype)).reshape(shape)
+            for name, dtype, shape, start, n in packed.index}
 
 
 # ---------------------------------------------------------------- the PEFT folder

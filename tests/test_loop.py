@@ -78,6 +78,8 @@ def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_p
         initial = [t.lora.remote() for t in actors.trainers][0]
         sync_lora(actors, initial, 0)
         sampler = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set())
+        # a supervised step moves the adapter away from its init (a random policy earns no GRPO signal)
+        ray.get([t.sft_step.remote([m.seed for m in sampler.next(2)], 1e-2) for t in actors.trainers])
         _, refs = rollout_phase(actors, sampler.next(2), cfg, 1)
         results = [t.step.remote(refs, 1) for t in actors.trainers]
         ray.get([m for m, _ in results])
