@@ -82,15 +82,17 @@ class ConsolidatorActor:
     def resume(self):
         """(summary, TrainingState or None) per checkpoint.resume_mode: local root first, then S3."""
         ck = self.cfg.checkpoint
-        ts = None
+        ts, location = None, None
         if ck.resume_mode == "path":
-            ts = checkpoint.resolve_resume("path", self.checkpoints[0], ck.resume_path, ck.s3_endpoint_url)
+            ts, location = checkpoint.resolve_resume("path", self.checkpoints[0], ck.resume_path,
+                                                     ck.s3_endpoint_url), ck.resume_path
         elif ck.resume_mode == "latest":
-            for store in self.checkpoints:
-                ts = checkpoint.resolve_resume("latest", store)
-                if ts is not None:
+            for store in self.checkpoints:  # the shared directory first, then S3 (a replaced head node)
+                info = checkpoint.find_latest(store)
+                if info is not None:
+                    ts, location = checkpoint.load_checkpoint(store, info.name), info.location
                     break
         if ts is None:
-            return {"step": 0}, None
+            return {"step": 0, "location": None}, None
         ts.adapter, ts.optimizer = pack(ts.adapter), pack(ts.optimizer)  # zero-copy for every trainer rank
-        return {"step": ts.step, "state": ts.state}, ts
+        return {"step": ts.step, "state": ts.state, "location": location}, ts

@@ -61,8 +61,10 @@ def restore(run: Run, actors: Actors) -> int:
         run.sampler.load_state_dict(state["sampler"])
         run.history = state["metrics_history"]
         run.last_checkpoint = step
-        log.info("resumed at step %d", step)
-    elif cfg.sft.steps and not cfg.model.adapter_init:
+        log.info("resuming from checkpoint %s (step %d)", summary["location"], step)
+    else:
+        log.info("no checkpoint to resume from (resume_mode %s): starting at step 0", cfg.checkpoint.resume_mode)
+    if not step and cfg.sft.steps and not cfg.model.adapter_init:
         for k in range(1, cfg.sft.steps + 1):
             seeds = [m.seed for m in run.sampler.next(cfg.sft.mazes_per_step)]
             run.sink.record(0, {"sft_step": k, **ray.get([t.sft_step.remote(seeds, cfg.sft.lr) for t in actors.trainers])[0]})
