@@ -38,4 +38,7 @@ class EvaluatorActor:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=1))
         tmp.replace(path)
+        from app.report import after_eval
+
+        after_eval(self.out_dir.parent, step)  # eval/solve_rate.png + eval/replay_step_NNNNNN.gif; never raises
         return {k: v for k, v in report.items() if k != "mazes"}

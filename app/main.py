@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
     ap.add_argument("overrides", nargs="*", help="dotted overrides such as train.lr=1e-5")
     ap.add_argument("--plan", action="store_true", help="print the validated config and placement, start nothing")
+    ap.add_argument("--cluster", help="with --plan: a cluster to place on instead of none, e.g. "
+                                      "'head:CPU=32,head=1;3x worker:GPU=2,CPU=32'")
     return ap.parse_args(argv)
 
 
@@ -116,6 +118,16 @@ def run_steps(run: Run, actors: Actors, start: int) -> None:
         run.sink.record(step, metrics)
 
 
+def write_report(run_dir: Path) -> None:
+    """The one-page HTML report with the curve and a replay; a failure here never fails the run."""
+    try:
+        from app.report import build_report
+
+        log.info("report: %s", build_report(run_dir))
+    except Exception:
+        log.warning("building the run report failed", exc_info=True)
+
+
 def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler) -> int:
     from app.metrics import MetricsSink
 
@@ -130,6 +142,7 @@ def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler) -> int:
             try:
                 actors = spawn(cfg, plan)
                 run_steps(run, actors, restore(run, actors))
+                write_report(run_dir)
                 return 0
             except recoverable_errors() as e:
                 run.recoveries += 1
@@ -150,11 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
-        cfg = absolute_paths(load_config(args.config, args.overrides))
+        cfg = absolute_paths(load_config(args.config, args.overrides, check_paths=not args.plan or not args.cluster))
         plan = placement.make_plan(cfg)
         if args.plan:
             print(describe(cfg))
-            print(placement.describe(plan))
+            nodes = placement.parse_cluster(args.cluster) if args.cluster else []
+            print(placement.describe(plan, {k: v for _, r in nodes for k, v in r.items()}))
+            if nodes:
+                print(f"on the described cluster ({len(nodes)} nodes, PACK):")
+                for i, node in enumerate(placement.simulate(plan, nodes)):
+                    print(f"  bundle {i} -> {node}")
+                head = next((n for n, r in nodes if r.get(placement.HEAD_RESOURCE)), nodes[0][0])
+                print(f"  consolidator -> {head}")
             return 0
         eval_ids = {m.identity for m in eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)}
         sampler = MazeSampler(cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, eval_ids)

@@ -1,19 +1,26 @@
 """One call records a step's metrics: Ray metrics (Prometheus), the JSONL log, and the console.
 
 Ray metric names are `mazerl_<name>` with a `run` tag, created once per name; only numbers are
-exported. The JSONL log (`<run dir>/metrics.jsonl`) keeps everything, one object per line, and is
-what plots and reports are rebuilt from. The console shows a progress bar with the latest solve rate
+exported. Ray's metrics agent adds its own namespace, so Prometheus (each node's metrics export port,
+`ray.nodes()[i]["MetricsExportPort"]`) serves them as `ray_mazerl_<name>` (`prometheus_name`), next to
+the labels Ray adds (SessionName, WorkerId, Component, ...). A gauge keeps its last value while the
+driver lives, so a metric recorded only every eval_interval steps reads as a step function.
+The JSONL log (`<run dir>/metrics.jsonl`) keeps everything, one object per line, and is what plots
+and reports (app/report.py) are rebuilt from. The console shows a progress bar with the latest solve rate
 when attached to a terminal, and one line per step otherwise (Ray job logs).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import sys
 import time
 from pathlib import Path
+
+log = logging.getLogger("mazerl.metrics")
 
 # Exported to Prometheus with a one-line description; every other numeric metric goes to the log only.
 EXPORTED = {
@@ -29,10 +36,17 @@ EXPORTED = {
     "train_grad_norm": "global gradient norm before clipping",
     "train_logprob_mismatch_mean": "mean |trainer - rollout| logprob on sampled tokens",
     "rollout_generated_tokens_per_s": "generated tokens per second in the rollout phase",
+    "rollout_turns_mean": "mean turns of the step's training episodes",
+    "rollout_invalid_action_rate": "share of training turns whose action was invalid (unparsed or into a wall)",
+    "eval_solve_rate_of_solvable": "held-out solve rate among mazes solvable within max_turns",
+    "eval_mean_turns": "mean turns of held-out episodes",
+    "eval_invalid_action_rate": "share of held-out turns whose action was invalid",
+    "train_logprob_mismatch_max": "max |trainer - rollout| logprob on sampled tokens",
     "time_rollout_s": "rollout phase duration",
     "time_train_s": "train phase duration",
     "time_sync_s": "LoRA sync duration",
     "time_eval_s": "evaluation duration",
+    "time_checkpoint_s": "adapter export and checkpoint duration (near zero when neither is due)",
     "time_step_s": "whole step duration",
     "lora_version": "adapter version the rollout engines hold",
     "recoveries": "actor or node losses recovered from",
@@ -41,8 +55,17 @@ EXPORTED = {
 }
 
 
-def prometheus_name(name: str) -> str:
+RAY_NAMESPACE = "ray"  # the prefix Ray's metrics agent puts before every metric it exports
+
+
+def ray_metric_name(name: str) -> str:
+    """The name given to ray.util.metrics: `mazerl_<name>`."""
     return "mazerl_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def prometheus_name(name: str) -> str:
+    """The exact name Prometheus scrapes from Ray's metrics export port: `ray_mazerl_<name>`."""
+    return f"{RAY_NAMESPACE}_{ray_metric_name(name)}"
 
 
 class MetricsSink:
@@ -53,6 +76,7 @@ class MetricsSink:
         self.run_name, self.total_steps = run_name, total_steps
         self._gauges: dict = {}
         self._prometheus = prometheus
+        self._export_failed = False
         self._bar = None
         self.latest_solve_rate: float | None = None
         if progress_bar and sys.stderr.isatty():
@@ -67,7 +91,12 @@ class MetricsSink:
         if "eval_solve_rate" in metrics:
             self.latest_solve_rate = metrics["eval_solve_rate"]
         if self._prometheus:
-            self._export(entry)
+            try:
+                self._export(entry)
+            except Exception as e:  # metrics must never stop training; the JSONL log still has everything
+                if not self._export_failed:
+                    log.warning("exporting metrics to Ray failed (%s: %s); continuing without", type(e).__name__, e)
+                self._export_failed = True
         self._console(step, metrics)
 
     def _export(self, entry: dict) -> None:
@@ -80,7 +109,8 @@ class MetricsSink:
                 continue
             gauge = self._gauges.get(name)
             if gauge is None:
-                gauge = self._gauges[name] = Gauge(prometheus_name(name), description=EXPORTED[name], tag_keys=("run",))
+                gauge = self._gauges[name] = Gauge(ray_metric_name(name), description=EXPORTED[name],
+                                                   tag_keys=("run",))
             gauge.set(float(value), tags={"run": self.run_name})
 
     def _console(self, step: int, m: dict) -> None:

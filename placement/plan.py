@@ -118,6 +118,44 @@ def consolidator_options(plan: Plan, cluster_resources: dict) -> dict:
     return {"num_cpus": plan.consolidator_cpus, "resources": {head_resource(cluster_resources): 0.001}}
 
 
+def parse_cluster(spec: str) -> list[tuple[str, dict]]:
+    """'head:CPU=32,head=1;3x worker:GPU=2,CPU=32' -> [(name, resources), ...] for a simulated cluster."""
+    nodes = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, resources = part.partition(":")
+        count, _, name = name.strip().rpartition("x ") if "x " in name else ("1", "", name.strip())
+        res = {}
+        for item in filter(None, (r.strip() for r in resources.split(","))):
+            key, _, value = item.partition("=")
+            try:
+                res[key.strip()] = float(value)
+            except ValueError:
+                raise ConfigError("--cluster", f"{item!r} is not RESOURCE=NUMBER", "write e.g. 'head:CPU=32,head=1;3x worker:GPU=2,CPU=32'") from None
+        for i in range(int(count or 1)):
+            nodes.append((f"{name}-{i}" if int(count or 1) > 1 else name, res))
+    if not nodes:
+        raise ConfigError("--cluster", "no nodes described", "write e.g. 'head:CPU=32,head=1;3x worker:GPU=2,CPU=32'")
+    return nodes
+
+
+def simulate(plan: Plan, nodes: list[tuple[str, dict]]) -> list[str]:
+    """Where Ray's PACK strategy would put each bundle: bundles fill nodes in order, as Ray packs them."""
+    free = [dict(res) for _, res in nodes]
+    # reserve what the head-pinned and free-floating actors need first, so bundles do not take it
+    head = next((i for i, (_, r) in enumerate(nodes) if r.get(HEAD_RESOURCE)), 0)
+    free[head]["CPU"] = free[head].get("CPU", 0) - plan.consolidator_cpus
+    placed = []
+    for b in plan.bundles:
+        target = next((i for i, f in enumerate(free) if all(f.get(k, 0) >= v for k, v in b.items())), None)
+        if target is None:
+            raise ConfigError("placement", f"bundle {b} fits on no node of the described cluster",
+                              "lower placement.cpus_per_bundle / gpus_per_bundle or describe more nodes")
+        for k, v in b.items():
+            free[target][k] -= v
+        placed.append(nodes[target][0])
+    return placed
+
+
 def describe(plan: Plan, cluster_resources: dict | None = None) -> str:
     lines = [f"placement group: {len(plan.bundles)} bundles, strategy {plan.strategy}"]
     for i, b in enumerate(plan.bundles):
