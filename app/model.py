@@ -169,6 +169,28 @@ def qwen3_vl_8b_config(vocab_size: int = 151936):
     )
 
 
+def build_8b_shaped_model(out_dir: str | os.PathLike, device: str = "cuda", seed: int = 0) -> Path:
+    """Qwen3-VL-8B's shape with random bf16 weights (and this project's tokenizer, its ids padded into
+    the 151,936-row vocabulary): for speed and memory work where the weights' values do not matter."""
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(1024)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = qwen3_vl_8b_config()
+    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
+    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
+    config.text_config.eos_token_id = config.eos_token_id = ids["<|im_end|>"]
+    config.text_config.pad_token_id = config.pad_token_id = ids["<|endoftext|>"]
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    model.save_pretrained(out)
+    build_processor(tokenizer).save_pretrained(out)
+    return out
+
+
 def build_processor(tokenizer):
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 

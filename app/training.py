@@ -159,6 +159,7 @@ class PolicyTrainer:
         batches = [items[i:i + cfg.micro_batch] for i in range(0, len(items), cfg.micro_batch)]
         local = torch.tensor([float(sum(it.tokens for it in items)), float(len(batches))])
         total_tokens, passes = self._all_reduce(local[:1].clone()).item(), int(self._all_reduce(local[1:].clone(), "max").item())
+        forward_tokens = self._all_reduce(torch.tensor([float(sum(len(it.token_ids) for it in items))])).item()
         sums = torch.zeros(8, dtype=torch.float64)  # pg, kl, clipped, tokens, entropy, |mismatch|, max mismatch, loss
         grad_norm = 0.0
         old = [None] * passes
@@ -190,7 +191,9 @@ class PolicyTrainer:
                     sums[6] = max(sums[6].item(), float(diff.max()) if diff.numel() else 0.0)
             grad_norm = self._clip_and_step(self.optimizer, self.scheduler)
         self.steps_done += 1
-        return self._metrics(sums, grad_norm, result, len(items), time.perf_counter() - t0)
+        metrics = self._metrics(sums, grad_norm, result, len(items), time.perf_counter() - t0)
+        metrics["forward_tokens"] = forward_tokens * cfg.update_epochs  # every position, every pass (for MFU)
+        return metrics
 
     def sft_step(self, demonstrations: list[Trajectory], lr: float) -> dict:
         """One supervised step: token-mean negative log-likelihood of the demonstrated replies."""

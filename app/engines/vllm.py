@@ -8,7 +8,9 @@ vLLM's prefix cache is keyed by the adapter name, and the prefix cache is reset 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 
 import torch
@@ -20,6 +22,40 @@ from app.engines.base import Engine, Generation, Prompt, Sampling
 from app.model import VISION_TOKENS, load_processor
 
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _raises_on_hasattr(value) -> bool:
+    try:
+        hasattr(value, "__dict__")
+        return False
+    except Exception:
+        return True
+
+
+@contextlib.contextmanager
+def _modules_hidden_from_kernel_scan():
+    """Hide, while the engine starts, modules holding objects that raise on attribute access.
+
+    vLLM's worker init rebinds Triton kernels by scanning every module in sys.modules and calling
+    hasattr() on each module attribute; an unbound context proxy (flask.request, werkzeug LocalProxy,
+    pulled in by moto, Ray's dashboard or a user's server) raises RuntimeError there and aborts the
+    engine. No vLLM option skips the scan, so those modules leave sys.modules for its duration only.
+    """
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}
+        try:
+            if any(_raises_on_hasattr(v) for v in list(namespace.values())):
+                hidden[name] = module
+        except Exception:
+            continue
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        for name, module in hidden.items():
+            sys.modules.setdefault(name, module)
 
 
 class VLLMEngine(Engine):
@@ -45,7 +81,8 @@ class VLLMEngine(Engine):
         else:
             kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
         start = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        with _modules_hidden_from_kernel_scan():
+            self.llm = LLM(**kwargs)
         config = self.llm.llm_engine.model_config.hf_config
         self.spec = adapters.AdapterSpec.for_model(config.text_config, lora)
         self.lora_dtype = getattr(torch, dtype)
