@@ -167,6 +167,7 @@ def big_checks(out: Path, work: Path) -> dict:
     start = time.perf_counter()
     trajectories = play_episodes(Recorder(), engine.codec, requests, settings, Sampling(16, 1.0, seed=1))
     loop_s = time.perf_counter() - start
+    engine.llm.reset_prefix_cache()  # the replay must not reuse the loop's cached prefixes
     start = time.perf_counter()
     raw_tokens = sum(len(g.token_ids) for prompts, s in calls for g in engine.generate(prompts, s))
     raw_s = time.perf_counter() - start
