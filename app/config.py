@@ -387,6 +387,9 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             and m.path == "tiny":
         raise ConfigError("model.tiny.head_dim", f"vLLM's CPU attention has no kernel for head_dim {m.tiny.head_dim}",
                           "use 32, 64, 80, 96, 112 or 128")
+    if r.engine == "vllm" and p.gpus_per_bundle > 0 and m.dtype == "float32":
+        raise ConfigError("model.dtype", "vLLM's LoRA kernels on GPU take only bfloat16 or float16 activations "
+                          "(float32 fails at engine start)", "set model.dtype=bfloat16, or rollout.engine=hf")
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine", "vllm is not installed in this Python", "run scripts/setup.sh, or set rollout.engine=hf")
     if set(cfg.lora.target_modules) & {"qkv", "proj", "linear_fc1", "linear_fc2", "attn.qkv", "attn.proj"}:

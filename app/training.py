@@ -236,8 +236,11 @@ class PolicyTrainer:
         return float(norm)
 
     def _all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (or max) over ranks of a small host tensor; NCCL only reduces device tensors, so it travels."""
         if self.distributed:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+            on_device = t.to(self.device)
+            dist.all_reduce(on_device, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+            t = on_device.to(t.device)
         return t
 
     def _metrics(self, sums: torch.Tensor, grad_norm: float, result: grpo.AdvantageResult, sequences: int,

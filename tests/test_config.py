@@ -232,7 +232,8 @@ def test_vllm_cpu_head_dim(vllm_installed: None) -> None:
     assert info.value.field_path == "model.tiny.head_dim"
     assert_one_line_error(info.value, "model.tiny.head_dim")
     # on a GPU bundle, or with hf, the same head_dim is fine
-    assert load_config(None, ["rollout.engine=vllm", "placement.gpus_per_bundle=1", "model.tiny.head_dim=48"])
+    assert load_config(None, ["rollout.engine=vllm", "placement.gpus_per_bundle=1", "model.dtype=bfloat16",
+                        "model.tiny.head_dim=48"])
     assert load_config(None, ["rollout.engine=hf", "model.tiny.head_dim=48"])
 
 
@@ -666,3 +667,13 @@ def test_non_finite_floats_in_bounded_fields() -> None:
 def test_lora_default_targets_are_language_model_only() -> None:
     assert Config().lora.target_modules == LANGUAGE_MODEL_PROJECTIONS
     assert Config().lora.target_modules is not LANGUAGE_MODEL_PROJECTIONS  # no shared mutable default
+
+
+def test_vllm_on_gpu_refuses_float32(vllm_installed: None) -> None:
+    # vLLM's Triton LoRA kernels assert fp16/bf16 inputs: found on the H200, where the engine died at start
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.engine=vllm", "placement.gpus_per_bundle=1", "model.dtype=float32"])
+    assert_one_line_error(info.value, "model.dtype")
+    assert "bfloat16" in str(info.value)
+    assert load_config(None, ["rollout.engine=vllm", "placement.gpus_per_bundle=1", "model.dtype=bfloat16"])
+    assert load_config(None, ["rollout.engine=vllm", "placement.gpus_per_bundle=0", "model.dtype=float32"])

@@ -19,7 +19,7 @@ else
   [ -f "$WORK/model_8b/config.json" ] || python scripts/make_model.py "$WORK/model_8b" --shape 8b
   timeout 520 python -m app.main configs/h200.yaml run_name=8b-gpu model.path="$WORK/model_8b" "${COMMON[@]}" \
     train.max_steps=2 train.mazes_per_step=8 train.micro_batch=4 eval.eval_interval=0 eval.at_start=false \
-    checkpoint.ckpt_interval=2 rollout.max_turns=10 > "$OUT/loop_8b.log" 2>&1
+    checkpoint.ckpt_interval=2 rollout.max_turns=13 > "$OUT/loop_8b.log" 2>&1
   echo "exit code $?"; grep -E "^step|Error|error" "$OUT/loop_8b.log" | tail -20
 fi
 for run in tiny-gpu 8b-gpu; do
