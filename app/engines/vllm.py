@@ -61,7 +61,8 @@ def _modules_hidden_from_kernel_scan():
 class VLLMEngine(Engine):
     def __init__(self, model_path: str, lora: LoraSettings, *, dtype: str = "float32", max_model_len: int = 4096,
                  max_images: int = 32, gpu_memory_utilization: float = 0.45, sleep_level: int = 1,
-                 enforce_eager: bool = True, seed: int = 0, cpu_kv_cache_bytes: int = 256 << 20):
+                 enforce_eager: bool = True, seed: int = 0, cpu_kv_cache_bytes: int = 256 << 20,
+                 mm_processor_cache_gb: float | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
@@ -76,6 +77,8 @@ class VLLMEngine(Engine):
                       limit_mm_per_prompt={"image": max_images}, enable_prefix_caching=True,
                       logprobs_mode="processed_logprobs",
                       worker_extension_cls="app.engines.vllm_worker.LoraTensorLoader")
+        if mm_processor_cache_gb is not None:  # 0 for benchmarks that replay the same images
+            kwargs.update(mm_processor_cache_gb=mm_processor_cache_gb)
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0)
         else:
