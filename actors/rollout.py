@@ -10,16 +10,10 @@ import torch
 from app.adapters import PackedTensors, unpack
 from app.config import Config
 from app.engines import Sampling, make_engine
-from app.episodes import EpisodeRequest, EpisodeSettings, play_episodes
+from app.episodes import EpisodeRequest, episode_settings, play_episodes
 from app.maze import generate_maze
 from app.model import ensure_model
 from app.trajectory import Trajectory, summarize
-
-
-def episode_settings(cfg: Config) -> EpisodeSettings:
-    return EpisodeSettings(max_turns=cfg.rollout.max_turns, maze_size=cfg.maze.size, cell_px=cfg.maze.cell_px,
-                           image_history=cfg.rollout.image_history, max_model_len=cfg.rollout.max_model_len,
-                           feedback=cfg.maze.feedback)
 
 
 @ray.remote

@@ -54,7 +54,7 @@ class TrainerActor:
 
     def sft_step(self, maze_seeds: list[int], lr: float) -> dict:
         """One supervised warm-start step on solver demonstrations of these mazes."""
-        from actors.rollout import episode_settings
+        from app.episodes import episode_settings
         from app.maze import generate_maze
         from app.sft import demonstrations
 

@@ -104,8 +104,9 @@ class LoraSettings:
 class MazeSettings:
     size: int = knob(9, "grid side including the wall border (odd): 9 is VisGym easy, 11 hard", ge=5, le=41)
     cell_px: int = knob(25, "pixels per maze cell in the rendered image", ge=4, le=128)
-    feedback: Literal["visgym", "compass"] = knob(
-        "visgym", "observation text: VisGym's (what happened), or that plus where the goal lies (CPU-scale runs)")
+    feedback: Literal["visgym", "compass", "route"] = knob(
+        "visgym", "observation text: VisGym's (what happened); plus where the goal lies (compass) or which way "
+                  "a shortest path starts (route): hints for models that cannot yet see, at CPU scale")
 
 
 @dataclass
@@ -131,6 +132,8 @@ class TrainConfig:
     max_steps: int = knob(0, "stop after this many steps; 0 runs all epochs", ge=0)
     mazes_per_step: int = knob(8, "mazes per GRPO step (each played n_samples_per_prompt times)", ge=1)
     micro_batch: int = knob(4, "sequences per forward/backward on one trainer rank", ge=1)
+    picture_cache_gb: float = knob(0.0, "processed pictures kept on the trainer's device, by content (repeated "
+                                        "maze states skip the host-side image processor); 0 disables", ge=0.0)
     update_epochs: int = knob(1, "optimizer passes over each step's batch", ge=1)
     clip_low: float = knob(0.2, "PPO ratio clip below 1", ge=0.0, lt=1.0)
     clip_high: float = knob(0.2, "PPO ratio clip above 1", ge=0.0)
@@ -154,7 +157,8 @@ class SftConfig:
 @dataclass
 class PlacementConfig:
     num_bundles: int = knob(1, "bundles N: N rollout actors and N trainer ranks, pair i sharing bundle i", ge=1)
-    gpus_per_bundle: int = knob(0, "GPUs in each bundle: 0 on a CPU machine, 1 on a GPU box", ge=0, le=1)
+    gpus_per_bundle: float = knob(0, "GPUs in each bundle: 0 on a CPU machine, 1 on a GPU box; 0.5 lets two jobs "
+                                     "share one GPU (set rollout.gpu_memory_utilization to match)", ge=0, le=1)
     cpus_per_bundle: float = knob(1.0, "CPUs in each bundle, shared by its rollout actor and trainer rank", gt=0.0)
     colocate_all: bool = knob(True, "rollout actor i and trainer rank i share bundle i (phases alternate)")
     evaluator_cpus: float = knob(0.1, "CPUs reserved for the evaluator", gt=0.0)

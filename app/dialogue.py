@@ -87,6 +87,27 @@ def compass_text(position: tuple[int, int], goal: tuple[int, int]) -> str:
     return "The goal is " + " and ".join(parts) + "."
 
 
+def route_text(maze: Maze, position: tuple[int, int]) -> str:
+    """Which way a shortest path to the goal starts (the `route` observation variant: a blind agent can win)."""
+    path = maze.path_from(position)
+    if not path:
+        return "You are on the goal."
+    return route_hint(path[0])
+
+
+def route_hint(direction: int) -> str:
+    return f"The way to the goal starts {DIRECTION_NAMES[direction]}."
+
+
+def where_text(feedback: str, maze: Maze, position: tuple[int, int]) -> str | None:
+    """The hint the observation variant adds after VisGym's text: none, the compass, or the route."""
+    if feedback == "compass":
+        return compass_text(position, maze.goal)
+    if feedback == "route":
+        return route_text(maze, position)
+    return None
+
+
 def first_turn_text(max_turns: int, maze_size: int, where: str | None = None) -> str:
     """The task statement that goes with the first picture (plus coordinates when given)."""
     return _with_where((

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from app import dialogue
 from app.encoding import ChatCodec, Segment, as_image, image_to_png
 from app.engines.base import Engine, Prompt, Sampling
-from app.maze import INVALID_ACTION_FEEDBACK, OUT_OF_TURNS_SUFFIX, Maze, MazeEpisode, wall_feedback
+from app.maze import DIRECTION_NAMES, INVALID_ACTION_FEEDBACK, OUT_OF_TURNS_SUFFIX, Maze, MazeEpisode, wall_feedback
 from app.trajectory import Trajectory, build_sequence
 
 
@@ -23,7 +23,7 @@ class EpisodeSettings:
     cell_px: int
     image_history: int = 0  # keep the last K images in context; 0 keeps all
     max_model_len: int = 4096
-    feedback: str = "visgym"  # or "compass": the observation text also says where the goal lies
+    feedback: str = "visgym"  # "compass"/"route": the observation text also says where the goal lies / which way
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,7 @@ class RunningEpisode:
         self.truncated = 0
 
     def _where(self) -> str | None:
-        if self.settings.feedback != "compass":
-            return None
-        return dialogue.compass_text(self.env.position, self.env.maze.goal)
+        return dialogue.where_text(self.settings.feedback, self.env.maze, self.env.position)
 
     def _view(self) -> tuple[list[Segment], list[int]]:
         """The context as the model sees it: images outside the window replaced by a short note."""
@@ -141,19 +139,31 @@ def play_episodes(engine: Engine, codec: ChatCodec, requests: list[EpisodeReques
     return [r.trajectory(engine.lora_version) for r in running]
 
 
+def episode_settings(cfg) -> EpisodeSettings:
+    """The episode rules of a run's config (app.config.Config)."""
+    return EpisodeSettings(max_turns=cfg.rollout.max_turns, maze_size=cfg.maze.size, cell_px=cfg.maze.cell_px,
+                           image_history=cfg.rollout.image_history, max_model_len=cfg.rollout.max_model_len,
+                           feedback=cfg.maze.feedback)
+
+
 def context_budget(codec: ChatCodec, settings: EpisodeSettings, max_new_tokens: int) -> int:
     """The longest context an episode can reach, from the longest texts the dialogue can produce."""
     from app.maze import generate_maze
 
     maze = generate_maze(0, settings.maze_size)
     image = as_image(MazeEpisode(maze, settings.max_turns).image(settings.cell_px))
-    where = None
+    wheres: list[str | None] = [None]
     if settings.feedback == "compass":
         far = settings.maze_size - 3
-        where = dialogue.compass_text((0, 0), (far, far))
-    opening = codec.opening(image, settings.max_turns, settings.maze_size, where)
+        wheres = [dialogue.compass_text((0, 0), (far, far))]
+    elif settings.feedback == "route":
+        wheres = [dialogue.route_hint(d) for d in DIRECTION_NAMES] + ["You are on the goal."]
+    openings = [codec.opening(image, settings.max_turns, settings.maze_size, where) for where in wheres]
+    opening = max(openings, key=lambda segment: len(segment.token_ids))
     longest_feedback = max([INVALID_ACTION_FEEDBACK] + [wall_feedback(d) for d in range(4)], key=len) + OUT_OF_TURNS_SUFFIX
-    obs = codec.observation(image, longest_feedback, settings.max_turns, close_turn=True, where=where)
+    observations = [codec.observation(image, longest_feedback, settings.max_turns, close_turn=True, where=where)
+                    for where in wheres]
+    obs = max(observations, key=lambda segment: len(segment.token_ids))
     k = settings.image_history
     turns_after_first = settings.max_turns - 1
     keeps_all = not k or k >= settings.max_turns  # at the last turn the window holds the newest k images

@@ -49,7 +49,7 @@ PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH = 16, 2, 2
 PIXELS_PER_TOKEN = (PATCH_SIZE * MERGE_SIZE) ** 2  # one language-model token per 32x32 pixels
 
 
-MODEL_FORMAT_VERSION = 4  # bump when the tiny model's construction changes, so caches rebuild
+MODEL_FORMAT_VERSION = 5  # bump when the tiny model or its tokenizer corpus changes, so caches rebuild
 
 
 def shape_key(shape: TinyModelShape) -> str:
@@ -92,6 +92,7 @@ def tokenizer_corpus() -> list[str]:
     for d in range(4):
         feedbacks += [maze.moved_feedback(d), maze.wall_feedback(d), maze.moved_feedback(d) + maze.OUT_OF_TURNS_SUFFIX]
     wheres = [None] + [dialogue.compass_text((0, 0), (r, c)) for r in range(-10, 11, 3) for c in range(-10, 11, 3)]
+    wheres += [dialogue.route_hint(d) for d in maze.DIRECTION_NAMES]
     for fb in feedbacks:
         for left in range(0, 32):
             lines.append(dialogue.observation_text(fb, left, wheres[left % len(wheres)]))

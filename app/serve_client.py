@@ -63,9 +63,7 @@ class ServedEpisode:
         return image_to_png(as_image(self.env.image(self.settings.cell_px)))
 
     def _where(self) -> str | None:
-        if self.settings.feedback != "compass":
-            return None
-        return dialogue.compass_text(self.env.position, self.maze.goal)
+        return dialogue.where_text(self.settings.feedback, self.maze, self.env.position)
 
     def messages(self) -> list[dict]:
         """The conversation so far, pictures as data URLs; those outside the window as app.encoding's note."""

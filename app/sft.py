@@ -8,6 +8,11 @@ demonstrations come from the same `MazeSampler` that never yields an eval maze.
 
 from __future__ import annotations
 
+import copy
+import os
+import shutil
+from pathlib import Path
+
 from app import dialogue
 from app.encoding import ChatCodec
 from app.episodes import EpisodeRequest, EpisodeSettings, RunningEpisode
@@ -28,3 +33,31 @@ def demonstration(maze: Maze, codec: ChatCodec, settings: EpisodeSettings, group
 
 def demonstrations(mazes: list[Maze], codec: ChatCodec, settings: EpisodeSettings) -> list[Trajectory]:
     return [demonstration(m, codec, settings, group=i) for i, m in enumerate(mazes)]
+
+
+# Files of a model folder that the weights export rewrites; everything else (tokenizer, processor, chat
+# template) is copied from the base folder, so the export loads wherever the base did (vLLM included).
+_WEIGHT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+
+
+def export_full_model(model, base_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16") -> Path:
+    """The policy with its LoRA merged into the weights, as a model folder for `model.path`.
+
+    This is the checkpoint of a full-model SFT (the analogue of the SFT checkpoint a GRPO run starts from).
+    Written beside `out_dir` and renamed into place, so an interrupted export never leaves a half folder.
+    """
+    import torch
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged = copy.deepcopy(model)
+    merged = merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged
+    merged.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
+    for f in Path(base_dir).iterdir():
+        if f.is_file() and f.name not in _WEIGHT_FILES and not f.name.endswith(".safetensors"):
+            shutil.copy2(f, tmp / f.name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

@@ -20,6 +20,7 @@ from app.config import Config
 from app.encoding import ChatCodec, png_to_image
 from app.engines.base import logprobs_of
 from app.model import apply_lora, load_model, load_processor
+from app.picture_cache import PictureCache
 from app.trajectory import Trajectory
 
 
@@ -31,7 +32,7 @@ class TrainItem:
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantage: float
-    images: list  # PIL images, in order of appearance
+    images: list[bytes]  # PNG bytes of its pictures, in order of appearance (decoded only when processed)
 
     @property
     def tokens(self) -> int:
@@ -43,7 +44,7 @@ def build_items(trajectories: list[Trajectory], result: grpo.AdvantageResult) ->
     for traj, adv, keep in zip(trajectories, result.advantages, result.keep):
         if not keep:
             continue
-        pictures = [png_to_image(png) for png in traj.images]
+        pictures = traj.images
         for seq in traj.sequences:
             items.append(TrainItem(torch.tensor(seq.token_ids, dtype=torch.long),  # copies: Ray's arrays are read-only
                                    torch.tensor(seq.loss_mask, dtype=torch.float32),
@@ -65,8 +66,11 @@ def shard(items: list[TrainItem], rank: int, world: int) -> list[TrainItem]:
 
 
 class PolicyTrainer:
-    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world: int = 1, device: str = "cpu"):
+    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world: int = 1, device: str = "cpu",
+                 train_base: bool = False):
+        """train_base: every weight of the model trains too, not only the LoRA (full-model SFT, one process)."""
         self.cfg, self.rank, self.world = cfg, rank, world
+        self.model_dir = model_dir
         self.device = torch.device(device)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.processor = load_processor(model_dir)
@@ -79,6 +83,11 @@ class PolicyTrainer:
             base.enable_input_require_grads()
         torch.manual_seed(cfg.train.seed)  # every rank must initialise the same LoRA before sharding
         self.model = apply_lora(base, cfg.lora, cfg.model.adapter_init)
+        if train_base:
+            if self.distributed:
+                raise ValueError("full-model SFT runs in one process; train_base with a process group is not supported")
+            for p in self.model.parameters():
+                p.requires_grad_(True)
         if self.distributed:
             self._shard_with_fsdp2()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -87,6 +96,10 @@ class PolicyTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.steps_done = 0
         self._sft_optimizer = None
+        self.pictures = None
+        if cfg.train.picture_cache_gb > 0:
+            self.pictures = PictureCache(self.codec, self.device, getattr(torch, cfg.model.dtype),
+                                         int(cfg.train.picture_cache_gb * 2**30))
 
     def _shard_with_fsdp2(self) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -116,18 +129,25 @@ class PolicyTrainer:
             n = len(it.token_ids)
             ids[row, :n], attention[row, :n], mask[row, :n] = it.token_ids, 1, it.loss_mask
         inputs = {"input_ids": ids, "attention_mask": attention, "mm_token_type_ids": self.codec.mm_token_type_ids(ids)}
-        inputs.update(self.codec.vision_inputs([img for it in batch for img in it.images]))
+        pngs = [png for it in batch for png in it.images]
+        if self.pictures is not None:
+            inputs.update(self.pictures.vision_inputs(pngs))
+        else:
+            on_gpu = self.device if self.device.type == "cuda" else None
+            inputs.update(self.codec.vision_inputs([png_to_image(png) for png in pngs], device=on_gpu))
         return {k: v.to(self.device) for k, v in inputs.items()}, ids, mask
 
-    def token_logprobs(self, batch: list[TrainItem], with_grad: bool, adapter: bool = True):
-        """(logp, entropy, mask, positions): per trained position, under the sampling distribution.
+    def token_logprobs(self, batch: list[TrainItem], with_grad: bool, adapter: bool = True,
+                       temperature: float | None = None):
+        """(logp, entropy, mask, positions): per trained position, under the sampling distribution
+        (rollout.temperature; SFT passes 1.0: it fits the model's own distribution, whatever the sampling).
 
         Only positions whose next token is trained get logits (`logits_to_keep`), which keeps the
         [batch, positions, vocab] tensor small for a large vocabulary.
         """
         inputs, ids, mask = self._inputs(batch)
         wanted = mask[:, 1:].any(dim=0).nonzero().squeeze(-1)  # positions t-1 that predict a trained token t
-        temperature = self.cfg.rollout.temperature
+        temperature = self.cfg.rollout.temperature if temperature is None else temperature
         ctx = torch.enable_grad() if with_grad else torch.no_grad()
         with ctx:
             if adapter:
@@ -200,6 +220,8 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         if self._sft_optimizer is None:  # its own optimizer: the warm start leaves GRPO's Adam state untouched
             self._sft_optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+        for group in self._sft_optimizer.param_groups:  # the caller's schedule (warmup) sets each step's rate
+            group["lr"] = lr
         keep = grpo.AdvantageResult([0.0] * len(demonstrations), [True] * len(demonstrations), len(demonstrations), 0)
         items = shard(build_items(demonstrations, keep), self.rank, self.world)
         batches = [items[i:i + self.cfg.train.micro_batch] for i in range(0, len(items), self.cfg.train.micro_batch)]
@@ -210,7 +232,7 @@ class PolicyTrainer:
         for i in range(passes):
             batch = self._batch(batches, i)
             weight = 1.0 if i < len(batches) else 0.0
-            logp, _, mask, _ = self.token_logprobs(batch, with_grad=True)
+            logp, _, mask, _ = self.token_logprobs(batch, with_grad=True, temperature=1.0)
             loss = -(logp * mask * weight).sum() / (max(total_tokens, 1.0) / self.world)
             if self.distributed and hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(i == passes - 1)

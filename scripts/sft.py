@@ -1,12 +1,17 @@
 """The supervised warm start on its own: BFS-solver demonstrations → a PEFT adapter for `model.adapter_init`.
 
     python scripts/sft.py CONFIG OUT_DIR [key=value ...] [--eval-every K] [--device cpu|cuda]
+    python scripts/sft.py CONFIG OUT_DIR --full [--max-minutes M] [--stop-above RATE] ...   # every weight trains
 
 Uses the config's sft.* knobs (steps, lr, mazes_per_step), model, LoRA, maze and rollout settings, and the
 same training-maze stream as the GRPO job (never an eval maze). Writes OUT_DIR/step_K/ every --save-every
 steps and OUT_DIR/final/, each a PEFT folder (adapter_model.safetensors + adapter_config.json). With
 --eval-every, the held-out greedy true solve rate is measured with the transformers engine, so a warm start
 can be stopped at the solve rate wanted (the learning run stops at <= 50%). One process, no Ray.
+
+With --full every weight trains (vision tower included: a model built here from random weights has to learn
+to see), and each save is a model folder with the LoRA merged in, for `model.path` (app.sft.export_full_model);
+its held-out solve rate is measured on that folder as written. OUT/sft_log.jsonl has one line per step.
 """
 
 from __future__ import annotations
@@ -25,13 +30,13 @@ from app.adapters import write_peft_folder  # noqa: E402
 from app.config import ConfigError, load_config  # noqa: E402
 
 
-def held_out_solve_rate(cfg, engine, trainer, settings) -> dict:
+def held_out_report(cfg, engine, settings) -> dict:
+    """The evaluator's report on the held-out mazes, greedy, with the engine's current weights."""
     from app.engines.base import Sampling
     from app.episodes import EpisodeRequest, play_episodes
     from app.evaluation import eval_report
     from app.sampler import eval_mazes
 
-    engine.load_lora(trainer.lora_tensors(), engine.lora_version + 1)
     mazes = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
     played = play_episodes(engine, engine.codec, [EpisodeRequest(m, i) for i, m in enumerate(mazes)], settings,
                            Sampling(cfg.rollout.max_new_tokens, 0.0))
@@ -46,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=0, help="held-out greedy solve rate every K steps (0: at the end only)")
     ap.add_argument("--save-every", type=int, default=0, help="also write OUT/step_K every K steps")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--full", action="store_true", help="train every weight; save model folders, not adapters")
+    ap.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup over this many steps")
+    ap.add_argument("--max-minutes", type=float, default=0, help="stop (after a final eval and save) past this time")
+    ap.add_argument("--stop-above", type=float, default=0, help="stop once the held-out solve rate exceeds this")
+    ap.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="--full: saved weights")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -54,36 +64,72 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    from actors.rollout import episode_settings
+    from app.episodes import episode_settings
     from app.driver import model_cache
     from app.engines.hf import HFEngine
     from app.model import ensure_model
     from app.sampler import MazeSampler, eval_mazes
-    from app.sft import demonstrations
+    from app.sft import demonstration, export_full_model
     from app.training import PolicyTrainer
 
-    torch.manual_seed(cfg.train.seed)
-    model_dir = str(ensure_model(cfg.model, model_cache(cfg)))
-    trainer = PolicyTrainer(cfg, model_dir, device=args.device)
-    settings = episode_settings(cfg)
     eval_ids = {m.identity for m in eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)}
-    sampler = MazeSampler(cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, eval_ids)
-    engine = HFEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, device=args.device)
-    out, log = Path(args.out), []
+    try:
+        sampler = MazeSampler(cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, eval_ids)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    torch.manual_seed(cfg.train.seed)
+    torch.set_float32_matmul_precision("high")  # TF32 on a GPU: float32 weights, tensor-core matmuls
+    model_dir = str(ensure_model(cfg.model, model_cache(cfg)))
+    trainer = PolicyTrainer(cfg, model_dir, device=args.device, train_base=args.full)
+    settings = episode_settings(cfg)
+    engine = None if args.full else HFEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, device=args.device)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+
+    def save(name: str) -> Path:
+        if args.full:
+            return export_full_model(trainer.model, model_dir, out / name, args.save_dtype)
+        return write_peft_folder(trainer.lora_tensors(), trainer.spec, out / name)
+
+    def evaluate(folder: Path | None) -> dict:
+        if args.full:  # the folder as written is what a GRPO run would start from
+            return held_out_report(cfg, HFEngine(str(folder), cfg.lora, dtype=cfg.model.dtype, device=args.device),
+                                   settings)
+        engine.load_lora(trainer.lora_tensors(), engine.lora_version + 1)
+        return held_out_report(cfg, engine, settings)
+
+    demos: dict[str, object] = {}  # a maze's demonstration never changes: replay it, do not re-render it
+
+    def demonstration_of(maze):
+        if maze.identity not in demos:
+            demos[maze.identity] = demonstration(maze, trainer.codec, settings)
+        return demos[maze.identity]
+
     start = time.perf_counter()
-    for step in range(1, cfg.sft.steps + 1):
-        metrics = trainer.sft_step(demonstrations(sampler.next(cfg.sft.mazes_per_step), trainer.codec, settings), cfg.sft.lr)
-        entry = {"sft_step": step, "elapsed_s": round(time.perf_counter() - start, 1), **metrics}
-        if (args.eval_every and step % args.eval_every == 0) or step == cfg.sft.steps:
-            entry.update({f"eval_{k}": v for k, v in held_out_solve_rate(cfg, engine, trainer, settings).items()})
-        if args.save_every and step % args.save_every == 0:
-            write_peft_folder(trainer.lora_tensors(), trainer.spec, out / f"step_{step}")
-        log.append(entry)
-        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items()}), flush=True)
-    write_peft_folder(trainer.lora_tensors(), trainer.spec, out / "final")
-    (out / "sft_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
-    print(f"adapter: {out / 'final'}  (start GRPO from it with model.adapter_init={out / 'final'})")
+    with (out / "sft_log.jsonl").open("a") as log:
+        for step in range(1, cfg.sft.steps + 1):
+            lr = cfg.sft.lr * min(1.0, step / args.warmup) if args.warmup else cfg.sft.lr
+            metrics = trainer.sft_step([demonstration_of(m) for m in sampler.next(cfg.sft.mazes_per_step)], lr)
+            elapsed = time.perf_counter() - start
+            last = step == cfg.sft.steps or bool(args.max_minutes and elapsed > args.max_minutes * 60)
+            evaluating = bool(args.eval_every and step % args.eval_every == 0) or last
+            folder = None
+            if (args.save_every and step % args.save_every == 0) or (args.full and evaluating):
+                folder = save(f"step_{step}")
+            entry = {"sft_step": step, "elapsed_s": round(elapsed, 1), "lr": lr, **metrics}
+            if evaluating:
+                entry.update({f"eval_{k}": v for k, v in evaluate(folder).items()})
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items()}), flush=True)
+            if last or (args.stop_above and entry.get("eval_solve_rate", 0.0) > args.stop_above):
+                break
+    final = save("final")
+    if args.full:
+        print(f"model: {final}  (start GRPO from it with model.path={final})")
+    else:
+        print(f"adapter: {final}  (start GRPO from it with model.adapter_init={final})")
     return 0
 
 

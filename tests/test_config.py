@@ -677,3 +677,12 @@ def test_vllm_on_gpu_refuses_float32(vllm_installed: None) -> None:
     assert "bfloat16" in str(info.value)
     assert load_config(None, ["rollout.engine=vllm", "placement.gpus_per_bundle=1", "model.dtype=bfloat16"])
     assert load_config(None, ["rollout.engine=vllm", "placement.gpus_per_bundle=0", "model.dtype=float32"])
+
+
+def test_a_fractional_gpu_bundle_lets_two_jobs_share_one_gpu():
+    from placement.plan import make_plan
+
+    cfg = load_config(None, ["rollout.engine=vllm", "model.dtype=bfloat16", "placement.gpus_per_bundle=0.5",
+                             "rollout.gpu_memory_utilization=0.2"])
+    plan = make_plan(cfg)
+    assert plan.total_gpus == 0.5 and plan.rollout_gpus == plan.trainer_gpus == 0.25

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app import dialogue
 from app.dialogue import (
     PARSE_WINDOW_CHARS,
     SYSTEM_PROMPT,
@@ -213,3 +214,18 @@ def test_solver_actions_solve_the_maze(seed: int) -> None:
     for action in plan:
         episode.step(parse_action(demo_reply(action)))
     assert episode.outcome == "solved"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_route_hint_names_the_first_move_of_a_shortest_path_from_every_cell(seed: int) -> None:
+    from app.maze import DIRECTION_NAMES, DIRECTION_OFFSETS, generate_maze
+
+    maze = generate_maze(seed, 7)
+    assert dialogue.where_text("route", maze, maze.goal) == "You are on the goal."
+    assert dialogue.where_text("visgym", maze, maze.start) is None
+    for cell in [(r, c) for r in range(7) for c in range(7) if maze.is_open((r, c)) and (r, c) != maze.goal]:
+        hint = dialogue.where_text("route", maze, cell)
+        direction = next(d for d, name in DIRECTION_NAMES.items() if hint == f"The way to the goal starts {name}.")
+        step = (cell[0] + DIRECTION_OFFSETS[direction][0], cell[1] + DIRECTION_OFFSETS[direction][1])
+        # following the hint shortens the remaining shortest path by exactly one move
+        assert maze.is_open(step) and len(maze.path_from(step)) == len(maze.path_from(cell)) - 1

@@ -52,7 +52,7 @@ def training(cfg, tiny_model_dir, export_dir) -> Future:
 
     def train() -> None:
         try:
-            from actors.rollout import episode_settings
+            from app.episodes import episode_settings
             from app.checkpoint import export_adapter
             from app.sampler import eval_mazes
             from app.sft import demonstrations
@@ -101,7 +101,7 @@ def trained(training):
 
 @pytest.fixture(scope="module")
 def evaluator_report(cfg, tiny_model_dir, trained) -> dict:
-    from actors.rollout import episode_settings
+    from app.episodes import episode_settings
     from app.engines.base import Sampling
     from app.engines.hf import HFEngine
     from app.episodes import EpisodeRequest, play_episodes

@@ -31,3 +31,33 @@ def test_sft_writes_an_adapter_the_grpo_job_starts_from(tmp_path, tiny_model_dir
 def test_sft_with_zero_steps_is_a_config_error(tmp_path, capsys):
     assert sft_main([TINY, str(tmp_path / "x"), "sft.steps=0"]) == 2
     assert "sft.steps" in capsys.readouterr().err
+
+
+def test_full_model_sft_writes_model_folders_that_start_a_run(tmp_path, capsys):
+    """--full trains every weight (vision tower included) and saves model folders for `model.path`."""
+    import torch
+    from safetensors.torch import load_file
+
+    from app.model import ensure_model
+    from app.training import PolicyTrainer
+
+    out = tmp_path / "full"
+    overrides = [f"output_dir={tmp_path}", "sft.steps=2", "sft.lr=1e-3", "sft.mazes_per_step=2", "eval.num_mazes=2",
+                 "maze.size=7", "rollout.max_turns=9", "train.dataset_size=16", "train.picture_cache_gb=0.5"]
+    assert sft_main([TINY, str(out), *overrides, "--full", "--eval-every", "1", "--save-dtype", "float32"]) == 0
+    log = [json.loads(line) for line in (out / "sft_log.jsonl").read_text().splitlines()]
+    assert [e["sft_step"] for e in log] == [1, 2] and all("eval_solve_rate" in e for e in log)
+    assert (out / "step_1" / "model.safetensors").exists() and not (out / "step_1.partial").exists()
+    cfg = load_config(TINY, [*overrides, f"model.path={out / 'final'}"])
+    base = load_file(str(ensure_model(load_config(TINY, overrides).model, tmp_path / ".models") / "model.safetensors"))
+    trained = load_file(str(out / "final" / "model.safetensors"))
+    assert set(trained) == set(base)  # the LoRA was merged away: a plain model folder
+    changed = {name for name in base if not torch.equal(base[name], trained[name])}
+    assert any("visual" in name for name in changed) and any("language_model" in name for name in changed)
+    trainer = PolicyTrainer(cfg, cfg.model.path)  # GRPO starts from it, with a fresh LoRA on top
+    assert trainer.lora_tensors() and trainer.codec is not None
+
+
+def test_a_training_set_larger_than_the_maze_space_is_one_clear_error(tmp_path, capsys):
+    assert sft_main([TINY, str(tmp_path / "x"), "maze.size=5", "train.dataset_size=500", "sft.steps=1"]) == 2
+    assert "train.dataset_size" in capsys.readouterr().err
