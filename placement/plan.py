@@ -49,6 +49,7 @@ class Plan:
 def make_plan(cfg: Config) -> Plan:
     p = cfg.placement
     n, gpus, cpus = p.num_bundles, p.gpus_per_bundle, p.cpus_per_bundle
+    gpus = int(gpus) if float(gpus).is_integer() else gpus  # whole GPUs read as such in plans and in Ray
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     if p.colocate_all:
         share = 0.5
