@@ -6,10 +6,11 @@ into the engine, on a tiny Qwen3-VL built here (`ensure_model`). The measure is 
 on the held-out mazes of `eval_mazes`, which neither phase trains on (the test checks every trained maze).
 
 The tiny model cannot learn to see in CPU time, so `configs/learn_cpu.yaml` turns on the `route`
-observation text. What is asserted holds on every run: the warm start lifts the held-out solve rate from
-zero (malformed replies) to ~48%; GRPO gets a learning signal and moves the adapter; the engine samples from
-exactly the policy the trainer scores. A GRPO gain of 20 points is not asserted: it was not reached at this
-scale (the runs and their numbers are in docs/RESULTS.md).
+observation text. Seeded and single-threaded, a run repeats itself on one machine (two runs matched step for
+step). Measured here: the warm start lifts the held-out solve rate from zero (malformed replies) to 50.0%;
+20 GRPO steps lift it to 70.3% (+20.3 points, 13 more of the 64 mazes). The gain asserted is MARGIN, below
+the measured one so that a machine whose floating point differs a little still passes; the runs and their
+numbers are in docs/RESULTS.md.
 
     python -m tests.test_learning [train.max_steps=10 ...]   # one run, its numbers printed
 """
@@ -25,6 +26,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "learn_cpu.yaml"
+# The gain GRPO must bring in held-out greedy solve rate: 8 of the 64 mazes (measured: 13).
+MARGIN = 0.125
 
 
 def learn(overrides: list[str] = (), model_cache: str | os.PathLike | None = None, log=print) -> dict:
@@ -122,6 +125,13 @@ def test_sft_warm_start_then_grpo_on_held_out_mazes(run):
     assert run["adapter_change"] > 0
     # token in, token out: the engine sampled from exactly the policy the trainer scored
     assert max(s["logprob_mismatch_mean"] for s in steps) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_grpo_improves_the_held_out_greedy_solve_rate(run):
+    start, end = run["start"]["solve_rate"], run["end"]["solve_rate"]
+    assert end - start >= MARGIN, f"held-out greedy solve rate {start:.3f} -> {end:.3f} after GRPO"
 
 
 if __name__ == "__main__":
