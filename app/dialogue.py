@@ -74,11 +74,14 @@ def _direction_legend() -> str:
     return ", ".join(f"{number} {name}" for number, name in DIRECTION_NAMES.items())
 
 
+ON_GOAL_TEXT = "You are on the goal."
+
+
 def compass_text(position: tuple[int, int], goal: tuple[int, int]) -> str:
     """Where the goal lies from the agent (the `compass` observation variant; VisGym gives no such hint)."""
     rows, cols = goal[0] - position[0], goal[1] - position[1]
     if rows == 0 and cols == 0:
-        return "You are on the goal."
+        return ON_GOAL_TEXT
     parts = []
     if rows:
         parts.append(f"{abs(rows)} {'row' if abs(rows) == 1 else 'rows'} {'down' if rows > 0 else 'up'}")
@@ -91,7 +94,7 @@ def route_text(maze: Maze, position: tuple[int, int]) -> str:
     """Which way a shortest path to the goal starts (the `route` observation variant: a blind agent can win)."""
     path = maze.path_from(position)
     if not path:
-        return "You are on the goal."
+        return ON_GOAL_TEXT
     return route_hint(path[0])
 
 

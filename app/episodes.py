@@ -157,7 +157,7 @@ def context_budget(codec: ChatCodec, settings: EpisodeSettings, max_new_tokens: 
         far = settings.maze_size - 3
         wheres = [dialogue.compass_text((0, 0), (far, far))]
     elif settings.feedback == "route":
-        wheres = [dialogue.route_hint(d) for d in DIRECTION_NAMES] + ["You are on the goal."]
+        wheres = [dialogue.route_hint(d) for d in DIRECTION_NAMES] + [dialogue.ON_GOAL_TEXT]
     openings = [codec.opening(image, settings.max_turns, settings.maze_size, where) for where in wheres]
     opening = max(openings, key=lambda segment: len(segment.token_ids))
     longest_feedback = max([INVALID_ACTION_FEEDBACK] + [wall_feedback(d) for d in range(4)], key=len) + OUT_OF_TURNS_SUFFIX

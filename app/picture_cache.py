@@ -14,6 +14,7 @@ import hashlib
 from collections import OrderedDict
 
 import torch
+
 from app.encoding import png_to_image
 
 
