@@ -40,7 +40,7 @@ class RolloutActor:
 
     def load_lora(self, adapter: PackedTensors | dict[str, torch.Tensor], version: int) -> dict:
         """Loads the adapter (a zero-copy view of the object store; the engine copies it) as `version`."""
-        self.engine.load_lora(unpack(adapter), version)
+        self.engine.load_lora(adapter, version)
         return {"index": self.index, "version": version}
 
     def lora_checksum(self) -> str:

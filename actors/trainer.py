@@ -49,8 +49,11 @@ class TrainerActor:
         trajectories = [t for batch in ray.get(trajectory_refs) for t in batch]
         metrics = self.trainer.train_step(trajectories)
         metrics["step"] = step
-        lora = self.trainer.lora_tensors()  # a collective: every rank takes part
-        return metrics, (pack(lora) if self.rank == 0 else None)
+        lora = self.trainer.lora_tensors(on_device=True)  # a collective: every rank takes part
+        packed = pack(lora) if self.rank == 0 else None
+        del lora
+        self.trainer.release_cached_memory()  # the colocated engine wakes next and needs that memory back
+        return metrics, packed
 
     def sft_step(self, maze_seeds: list[int], lr: float) -> dict:
         """One supervised warm-start step on solver demonstrations of these mazes."""
@@ -59,7 +62,9 @@ class TrainerActor:
         from app.sft import demonstrations
 
         mazes = [generate_maze(s, self.cfg.maze.size) for s in maze_seeds]
-        return self.trainer.sft_step(demonstrations(mazes, self.trainer.codec, episode_settings(self.cfg)), lr)
+        metrics = self.trainer.sft_step(demonstrations(mazes, self.trainer.codec, episode_settings(self.cfg)), lr)
+        self.trainer.release_cached_memory()
+        return metrics
 
     @ray.method(num_returns=4)
     def checkpoint_state(self):
@@ -87,7 +92,7 @@ class TrainerActor:
 
     def lora(self):
         """The current adapter (rank 0 returns it, the others None); every rank must be called."""
-        tensors = self.trainer.lora_tensors()
+        tensors = self.trainer.lora_tensors(on_device=True)
         return pack(tensors) if self.rank == 0 else None
 
     def shutdown(self) -> None:

@@ -65,6 +65,28 @@ def shard(items: list[TrainItem], rank: int, world: int) -> list[TrainItem]:
     return mine
 
 
+@dataclass
+class MicroBatches:
+    """This rank's micro-batches; pass i beyond them is a zero-weight padding pass (FSDP's collectives must
+    line up across ranks), run on a borrowed sequence: a rank can own none when sequences are fewer than ranks."""
+
+    batches: list[list[TrainItem]]
+    spare: list[TrainItem]
+
+    @property
+    def real(self) -> int:
+        return len(self.batches)
+
+    def get(self, i: int) -> tuple[list[TrainItem], float]:
+        if i < len(self.batches):
+            return self.batches[i], 1.0
+        return (self.batches[0] if self.batches else self.spare)[:1], 0.0
+
+
+def micro_batches(items: list[TrainItem], everything: list[TrainItem], size: int) -> MicroBatches:
+    return MicroBatches([items[i:i + size] for i in range(0, len(items), size)], everything[:1])
+
+
 class PolicyTrainer:
     def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world: int = 1, device: str = "cpu",
                  train_base: bool = False):
@@ -175,20 +197,20 @@ class PolicyTrainer:
         cfg = self.cfg.train
         result = grpo.compute_advantages([t.group for t in trajectories], [t.reward for t in trajectories],
                                          cfg.advantage, cfg.drop_zero_variance_groups)
-        items = shard(build_items(trajectories, result), self.rank, self.world)
-        batches = [items[i:i + cfg.micro_batch] for i in range(0, len(items), cfg.micro_batch)]
-        local = torch.tensor([float(sum(it.tokens for it in items)), float(len(batches))])
+        everything = build_items(trajectories, result)
+        items = shard(everything, self.rank, self.world)
+        batches = micro_batches(items, everything, cfg.micro_batch)
+        local = torch.tensor([float(sum(it.tokens for it in items)), float(batches.real)])
         total_tokens, passes = self._all_reduce(local[:1].clone()).item(), int(self._all_reduce(local[1:].clone(), "max").item())
         forward_tokens = self._all_reduce(torch.tensor([float(sum(len(it.token_ids) for it in items))])).item()
         sums = torch.zeros(8, dtype=torch.float64)  # pg, kl, clipped, tokens, entropy, |mismatch|, max mismatch, loss
         grad_norm = 0.0
         old = [None] * passes
         if cfg.update_epochs > 1:  # the update changes the policy: freeze the pre-update logprobs first
-            old = [self.token_logprobs(self._batch(batches, i), with_grad=False)[0] for i in range(passes)]
+            old = [self.token_logprobs(batches.get(i)[0], with_grad=False)[0] for i in range(passes)]
         for epoch in range(cfg.update_epochs):
             for i in range(passes):
-                batch = self._batch(batches, i)
-                weight = 1.0 if i < len(batches) else 0.0  # a padding pass keeps collectives aligned
+                batch, weight = batches.get(i)  # weight 0: a padding pass that keeps collectives aligned
                 logp, entropy, mask, wanted = self.token_logprobs(batch, with_grad=True)
                 old_logp = logp.detach() if old[i] is None else old[i]
                 adv = torch.tensor([it.advantage for it in batch], device=logp.device).unsqueeze(1).expand_as(logp)
@@ -223,15 +245,15 @@ class PolicyTrainer:
         for group in self._sft_optimizer.param_groups:  # the caller's schedule (warmup) sets each step's rate
             group["lr"] = lr
         keep = grpo.AdvantageResult([0.0] * len(demonstrations), [True] * len(demonstrations), len(demonstrations), 0)
-        items = shard(build_items(demonstrations, keep), self.rank, self.world)
-        batches = [items[i:i + self.cfg.train.micro_batch] for i in range(0, len(items), self.cfg.train.micro_batch)]
-        local = torch.tensor([float(sum(it.tokens for it in items)), float(len(batches))])
+        everything = build_items(demonstrations, keep)
+        items = shard(everything, self.rank, self.world)
+        batches = micro_batches(items, everything, self.cfg.train.micro_batch)
+        local = torch.tensor([float(sum(it.tokens for it in items)), float(batches.real)])
         total_tokens = self._all_reduce(local[:1].clone()).item()
         passes = int(self._all_reduce(local[1:].clone(), "max").item())
         nll = torch.zeros(2, dtype=torch.float64)
         for i in range(passes):
-            batch = self._batch(batches, i)
-            weight = 1.0 if i < len(batches) else 0.0
+            batch, weight = batches.get(i)
             logp, _, mask, _ = self.token_logprobs(batch, with_grad=True, temperature=1.0)
             loss = -(logp * mask * weight).sum() / (max(total_tokens, 1.0) / self.world)
             if self.distributed and hasattr(self.model, "set_requires_gradient_sync"):
@@ -244,8 +266,12 @@ class PolicyTrainer:
         return {"sft_nll": s[0].item() / max(s[1].item(), 1.0), "sft_tokens": s[1].item(), "grad_norm": grad_norm,
                 "sft_step_s": time.perf_counter() - t0}
 
-    def _batch(self, batches: list[list[TrainItem]], i: int) -> list[TrainItem]:
-        return batches[i] if i < len(batches) else batches[0][:1]
+    def release_cached_memory(self) -> None:
+        """Returns the blocks PyTorch's caching allocator keeps after a step to the device, so that a vLLM
+        engine sharing the GPU can wake its KV cache (on one H200 the 8B-shaped engine could not: out of
+        memory at wake-up with the trainer's freed activations still reserved)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _clip_and_step(self, optimizer, scheduler=None) -> float:
         limit = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
@@ -280,14 +306,16 @@ class PolicyTrainer:
         }
 
     # ------------------------------------------------------------ the adapter
-    def lora_tensors(self) -> dict[str, torch.Tensor]:
-        """The full LoRA under PEFT's names (a collective under FSDP: every rank must call it)."""
+    def lora_tensors(self, on_device: bool = False) -> dict[str, torch.Tensor]:
+        """The full LoRA under PEFT's names, as copies (a collective under FSDP: every rank must call it).
+
+        on_device keeps them on the training device, for app.adapters.pack's single transfer to the host."""
         out = {}
         for name, p in self.model.named_parameters():
             if "lora_" not in name:
                 continue
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = full.detach().to("cpu", copy=True).contiguous()
+            out[name] = full.detach().clone() if on_device else full.detach().to("cpu", copy=True).contiguous()
         return adapters.normalize_keys(out)
 
     # ------------------------------------------------------------ checkpoint state

@@ -121,6 +121,24 @@ def test_caller_tensors_are_not_modified(vllm_engine, hf_engine):
 
 
 @pytest.mark.parametrize("engine_name", ["hf_engine", "vllm_engine"])
+def test_packed_adapter_loads_like_the_dict(request, engine_name, prompts):
+    """What the rollout actor receives from the object store (one packed buffer) = the plain tensors."""
+    from actors.rollout import lora_checksum
+
+    engine = request.getfixturevalue(engine_name)
+    tensors = random_adapter(engine.spec, seed=8)
+    greedy = Sampling(max_new_tokens=12, temperature=0.0)
+    engine.load_lora(tensors, 8)
+    from_dict = engine.generate(prompts, greedy)
+    packed = adapters.pack(tensors)
+    before = packed.buffer.copy()
+    engine.load_lora(packed, 9)
+    assert [g.token_ids for g in engine.generate(prompts, greedy)] == [g.token_ids for g in from_dict]
+    assert lora_checksum(engine.lora_state()) == lora_checksum(tensors)
+    assert (packed.buffer == before).all()  # vLLM's in-place scaling hit a private copy
+
+
+@pytest.mark.parametrize("engine_name", ["hf_engine", "vllm_engine"])
 @pytest.mark.parametrize("damage", ["rank", "transposed", "missing", "extra", "nan"])
 def test_adapter_of_wrong_shape_is_refused(request, engine_name, damage):
     engine = request.getfixturevalue(engine_name)

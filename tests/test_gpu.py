@@ -90,3 +90,25 @@ def test_exported_adapter_in_vllm_gives_the_trainer_models_greedy_actions(gpu_se
     same = sum(a.actions == b.actions for a, b in zip(from_folder, by_trainer_model))
     print(f"exported adapter in vLLM vs trainer model: {same}/{len(mazes)} episodes with identical actions")
     assert same >= len(mazes) - 1  # bf16 may flip one near-tie; measured 8/8 on an H200
+
+
+def test_sync_from_gpu_through_one_pinned_buffer_is_exact(gpu_setup):
+    """The trainer's GPU tensors -> pack (one device->host copy) -> the engine (one host->device copy)."""
+    from actors.rollout import lora_checksum
+    from app.adapters import pack, private_copies
+    from app.engines.base import Sampling
+    from app.episodes import play_episodes
+
+    _, _, trainer, engine, settings = gpu_setup
+    on_gpu = trainer.lora_tensors(on_device=True)
+    assert {t.device.type for t in on_gpu.values()} == {"cuda"}
+    host = trainer.lora_tensors()
+    packed = pack(on_gpu)
+    assert lora_checksum(packed) == lora_checksum(host)
+    assert all(torch.equal(v.cpu(), host[k]) for k, v in private_copies(packed, "cuda").items())
+    greedy, mazes = Sampling(12, 0.0), requests(8)
+    engine.load_lora(host, 4)
+    from_dict = play_episodes(engine, engine.codec, mazes, settings, greedy)
+    engine.load_lora(packed, 5)
+    assert lora_checksum(engine.lora_state()) == lora_checksum(host)
+    assert [t.actions for t in play_episodes(engine, engine.codec, mazes, settings, greedy)] == [t.actions for t in from_dict]

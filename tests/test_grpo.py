@@ -82,3 +82,23 @@ def test_kl_term_by_hand():
     assert terms.kl.item() == pytest.approx(sum(k3))
     assert terms.loss.item() == pytest.approx(0.1 * sum(k3) / 2)
     assert kl_k3(logp, logp).abs().max().item() == 0.0
+
+
+def test_a_rank_without_sequences_still_runs_aligned_padding_passes():
+    """Fewer sequences than ranks: the rank that owns none borrows one for zero-weight passes."""
+    import torch
+
+    from app.training import TrainItem, micro_batches, shard
+
+    def item(n):
+        return TrainItem(torch.ones(n, dtype=torch.long), torch.ones(n), torch.zeros(n), 1.0, [])
+
+    everything = [item(5)]
+    owned = [shard(everything, rank, 2) for rank in range(2)]
+    assert [len(o) for o in owned] == [1, 0]
+    idle = micro_batches(owned[1], everything, 4)
+    assert idle.real == 0
+    batch, weight = idle.get(0)
+    assert batch == everything[:1] and weight == 0.0
+    busy = micro_batches(owned[0], everything, 4)
+    assert busy.real == 1 and busy.get(0) == (everything, 1.0) and busy.get(1)[1] == 0.0

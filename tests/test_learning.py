@@ -6,11 +6,12 @@ into the engine, on a tiny Qwen3-VL built here (`ensure_model`). The measure is 
 on the held-out mazes of `eval_mazes`, which neither phase trains on (the test checks every trained maze).
 
 The tiny model cannot learn to see in CPU time, so `configs/learn_cpu.yaml` turns on the `route`
-observation text. Seeded and single-threaded, a run repeats itself on one machine (two runs matched step for
-step). Measured here: the warm start lifts the held-out solve rate from zero (malformed replies) to 50.0%;
-20 GRPO steps lift it to 70.3% (+20.3 points, 13 more of the 64 mazes). The gain asserted is MARGIN, below
-the measured one so that a machine whose floating point differs a little still passes; the runs and their
-numbers are in docs/RESULTS.md.
+observation text. The warm start runs SFT until 16 validation mazes (training mazes set aside) are solved
+at >= 40% with <= 40% malformed actions: where SFT "clicks" varies with the seed (fixed 40 steps gave 0%,
+36%, 50% or 95% held-out), and GRPO cannot start from malformed replies nor show a gain from 95%. Seeded and
+single-threaded, a run repeats itself on one machine. Measured on 4 seeds (docs/RESULTS.md): held-out greedy
+solve rate +20.3, +25.0, +34.4, +48.4 points after 20 GRPO steps; this config's seed goes 62.5% -> 96.9%
+(62/64, the solvable bound). The test asserts issue 4's 20 points.
 
     python -m tests.test_learning [train.max_steps=10 ...]   # one run, its numbers printed
 """
@@ -26,8 +27,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "learn_cpu.yaml"
-# The gain GRPO must bring in held-out greedy solve rate: 8 of the 64 mazes (measured: 13).
-MARGIN = 0.125
+# The gain GRPO must bring in held-out greedy solve rate (issue 4: 20 points).
+MARGIN = 0.20
+# The warm start: SFT steps from sft.steps on, checked every CHECK_EVERY on VALIDATION_MAZES training mazes,
+# until their greedy solve rate reaches WARM_START_TARGET with at most MAX_INVALID of the actions malformed
+# (or MAX_SFT_STEPS).
+VALIDATION_MAZES, CHECK_EVERY, WARM_START_TARGET, MAX_INVALID, MAX_SFT_STEPS = 16, 5, 0.4, 0.4, 100
 
 
 def learn(overrides: list[str] = (), model_cache: str | os.PathLike | None = None, log=print) -> dict:
@@ -59,22 +64,38 @@ def learn(overrides: list[str] = (), model_cache: str | os.PathLike | None = Non
     trained_ids: set[str] = set()
     greedy = Sampling(cfg.rollout.max_new_tokens, temperature=0.0)
 
+    def greedy_report(mazes) -> dict:
+        requests = [EpisodeRequest(m, i) for i, m in enumerate(mazes)]
+        return eval_report(play_episodes(engine, engine.codec, requests, settings, greedy), cfg.rollout.max_turns)
+
     def evaluate(step: int) -> dict:
-        requests = [EpisodeRequest(m, i) for i, m in enumerate(held_out)]
-        report = eval_report(play_episodes(engine, engine.codec, requests, settings, greedy), cfg.rollout.max_turns)
+        report = greedy_report(held_out)
         log(f"eval after step {step}: held-out greedy solve rate {report['solve_rate']:.3f} "
             f"({report['solved']}/{report['num_mazes']}), stopped off goal {report['stopped_off_goal']}, "
             f"out of turns {report['out_of_turns']}, invalid actions {report['invalid_action_rate']:.2f} "
             f"[{time.perf_counter() - t0:.0f}s]")
         return report
 
-    # the warm start (app.main.restore): solver demonstrations of training mazes
-    for k in range(1, cfg.sft.steps + 1):
+    # the warm start (app.main.restore): solver demonstrations of training mazes, from sft.steps on checked
+    # every CHECK_EVERY steps on validation mazes (training mazes set aside, never the held-out ones) and
+    # stopped once they pass WARM_START_TARGET: the step where SFT "clicks" varies with the seed (25-60 here),
+    # and a start that already solves almost everything leaves GRPO nothing to show
+    validation = sampler.next(VALIDATION_MAZES)
+    trained_ids.update(m.identity for m in validation)
+    sft_steps, validation_rate = 0, 0.0
+    while sft_steps < MAX_SFT_STEPS:
+        sft_steps += 1
         mazes = sampler.next(cfg.sft.mazes_per_step)
         trained_ids.update(m.identity for m in mazes)
         metrics = trainer.sft_step(demonstrations(mazes, trainer.codec, settings), cfg.sft.lr)
-        if k % 20 == 0 or k == cfg.sft.steps:
-            log(f"sft step {k}: nll {metrics['sft_nll']:.3f} [{time.perf_counter() - t0:.0f}s]")
+        if sft_steps >= cfg.sft.steps and sft_steps % CHECK_EVERY == 0:
+            engine.load_lora(trainer.lora_tensors(), sft_steps)
+            report = greedy_report(validation)
+            validation_rate, validation_invalid = report["solve_rate"], report["invalid_action_rate"]
+            log(f"sft step {sft_steps}: nll {metrics['sft_nll']:.3f}, validation greedy solve rate "
+                f"{validation_rate:.3f}, invalid actions {validation_invalid:.2f} [{time.perf_counter() - t0:.0f}s]")
+            if validation_rate >= WARM_START_TARGET and validation_invalid <= MAX_INVALID:
+                break
     warm_start = trainer.lora_tensors()
     engine.load_lora(warm_start, 0)
     start = evaluate(0)
@@ -102,6 +123,7 @@ def learn(overrides: list[str] = (), model_cache: str | os.PathLike | None = Non
     adapter_change = max(float((final[k] - warm_start[k]).abs().max()) for k in final)
     engine.shutdown()
     return {"start": start, "end": end, "steps": steps, "seconds": time.perf_counter() - t0, "config": cfg,
+            "sft_steps": sft_steps, "validation_rate": validation_rate,
             "trained_on_held_out": len(trained_ids & held_out_ids), "adapter_change": adapter_change}
 
 
@@ -116,8 +138,9 @@ def test_sft_warm_start_then_grpo_on_held_out_mazes(run):
     start, end, steps = run["start"], run["end"], run["steps"]
     assert run["trained_on_held_out"] == 0  # neither SFT nor GRPO saw a held-out maze
     assert start["num_mazes"] == end["num_mazes"] == run["config"].eval.num_mazes
-    # the warm start works: 40 demonstration steps lift the held-out rate to 31/64 (10 steps: 0, malformed replies)
-    assert start["solve_rate"] >= 0.3, start["solve_rate"]
+    # the warm start emits valid actions but leaves most mazes unsolved (from zero: malformed replies)
+    assert run["validation_rate"] >= WARM_START_TARGET and run["sft_steps"] < MAX_SFT_STEPS
+    assert start["invalid_action_rate"] < 0.5 and 0.1 <= start["solve_rate"] <= 0.7, start
     assert end["num_mazes"] == 64 and end["invalid_action_rate"] < 1.0  # the GRPO policy still acts
     # GRPO had something to learn from most steps, and moved the adapter
     assert len(steps) == run["config"].total_steps

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
+
+if TYPE_CHECKING:
+    from app.adapters import PackedTensors
 
 
 @dataclass
@@ -54,8 +58,9 @@ class Engine(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def load_lora(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Makes `tensors` (PEFT names, validated) the adapter of every later generate call."""
+    def load_lora(self, tensors: "PackedTensors | dict[str, torch.Tensor]", version: int) -> None:
+        """Makes `tensors` (PEFT names, validated; a dict or app.adapters.pack's buffer) the adapter of every
+        later generate call. The caller's tensors are never written."""
 
     @abc.abstractmethod
     def lora_state(self) -> dict[str, torch.Tensor] | None:

@@ -35,10 +35,10 @@ class HFEngine(Engine):
         self._stats = {"generate_calls": 0, "prompts": 0, "generated_tokens": 0, "generate_s": 0.0,
                        "lora_loads": 0, "sleeps": 0}
 
-    def load_lora(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def load_lora(self, tensors: "adapters.PackedTensors | dict[str, torch.Tensor]", version: int) -> None:
         from peft import set_peft_model_state_dict
 
-        tensors = adapters.normalize_keys(tensors)
+        tensors = adapters.normalize_keys(adapters.unpack(tensors))
         adapters.validate(tensors, self.spec)
         dtype = next(self.model.parameters()).dtype
         result = set_peft_model_state_dict(self.model, adapters.contiguous_copies(tensors, dtype))

@@ -135,22 +135,27 @@ class VLLMEngine(Engine):
         return gens
 
     # ------------------------------------------------------------ LoRA
-    def load_lora(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def load_lora(self, tensors: "adapters.PackedTensors | dict[str, torch.Tensor]", version: int) -> None:
+        """Loads the adapter from memory. On a GPU a packed adapter crosses to the device in one copy and
+        vLLM builds its LoRA there: its own CPU path pins every tensor, one by one."""
         from vllm.lora.request import LoRARequest
 
         start = time.perf_counter()
-        tensors = adapters.normalize_keys(tensors)
-        adapters.validate(tensors, self.spec)
+        held = adapters.normalize_keys(adapters.unpack(tensors))
+        adapters.validate(held, self.spec, check_values=False)
+        device = "cuda" if self.on_gpu else "cpu"
+        private = adapters.normalize_keys(adapters.private_copies(tensors, device, self.lora_dtype))
+        adapters.check_finite(private)
         if self._asleep and not self._weights_awake:
             # LoRA slots live in the "weights" pool: writing them while it is offloaded corrupts memory.
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
         lora_id = version + 2  # ids must be > 0; start-up warm-up ids stay clear of 1
         expected_modules = len(self.spec.shapes) // 2
-        replies = self.llm.collective_rpc("mazerl_load_lora", args=(
-            adapters.contiguous_copies(tensors, self.lora_dtype), self.spec.peft_config(), lora_id, expected_modules))
+        self.llm.collective_rpc("mazerl_load_lora", args=(
+            private, self.spec.peft_config(), lora_id, expected_modules, device))
         self._lora_request = LoRARequest(f"policy-v{version}", lora_id, f"mem://policy/v{version}")
-        self._lora_tensors = tensors  # untouched: vLLM got (and scales in place) private copies
+        self._lora_tensors = held  # untouched: vLLM got (and scales in place) private copies
         self.llm.reset_prefix_cache()
         self.lora_version = version
         self._stats["lora_loads"] += 1

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 
 class LoraTensorLoader:
-    def mazerl_load_lora(self, tensors: dict, peft_config: dict, lora_id: int, expected_modules: int) -> dict:
+    def mazerl_load_lora(self, tensors: dict, peft_config: dict, lora_id: int, expected_modules: int,
+                         device: str = "cpu") -> dict:
+        """device: where the tensors are; on a GPU, "cuda" keeps vLLM from pinning each one in host memory."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
@@ -28,7 +30,7 @@ class LoraTensorLoader:
             mapper = rename()
         model_cls = getattr(manager, "_lora_model_cls", LoRAModel)
         lora = model_cls.from_lora_tensors(
-            lora_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+            lora_id, tensors, helper, device=device, dtype=manager.lora_config.lora_dtype,
             model_vocab_size=manager.vocab_size, weights_mapper=mapper,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None))
         if len(lora.loras) != expected_modules:

@@ -99,7 +99,7 @@ def tiny_checks(out: Path, work: Path) -> dict:
 
 @phase("8b")
 def big_checks(out: Path, work: Path) -> dict:
-    from app.adapters import AdapterSpec, pack, unpack, write_peft_folder
+    from app.adapters import pack, write_peft_folder
     from app.engines.base import Sampling
     from app.engines.vllm import VLLMEngine
     from app.episodes import EpisodeRequest, EpisodeSettings, play_episodes
@@ -120,27 +120,60 @@ def big_checks(out: Path, work: Path) -> dict:
     result["adapter_mb_bf16"] = round(spec.num_parameters * 2 / 1e6, 1)
     g = torch.Generator(device="cuda").manual_seed(0)
     on_gpu = {k: torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) * 0.01 for k, s in spec.shapes.items()}
-    # sync from memory: GPU -> one packed host buffer -> the engine (what trainer.step + load_lora do)
-    mem, disk = [], []
+    # sync from memory: GPU -> one packed (pinned) host buffer -> the engine (what trainer.step + load_lora do);
+    # "via Ray" adds the object store between them: ray.put in this process, the zero-copy read in the engine's
+    mem, disk, via_ray, packing = [], [], [], []
+    import ray
+
+    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    one_token = SamplingParams(max_tokens=1, temperature=0.0)
+    probe = {"prompt_token_ids": list(range(100, 132))}
+    disk_used, mem_used = [], []  # sync + the first generate that uses the adapter: add_lora only loads it to
+    # the host cache, vLLM moves it into a GPU slot at first use, while the in-memory path activates it at once
+
+    def first_use(request) -> float:
+        start = time.perf_counter()
+        engine.llm.generate([probe], one_token, lora_request=request, use_tqdm=False)
+        return time.perf_counter() - start
+
     for version in range(4):
         # the folder path first: the engine keeps one LoRA (max_loras=1), so the in-memory one goes last
         # and stays the engine's adapter for the episode loop below
-        from vllm.lora.request import LoRARequest
-
         folder = work / f"sync_{version}"
         torch.cuda.synchronize()
         start = time.perf_counter()
         write_peft_folder(on_gpu, spec, folder)
-        engine.llm.llm_engine.add_lora(LoRARequest(f"disk-{version}", 500 + version, str(folder)))
+        request = LoRARequest(f"disk-{version}", 500 + version, str(folder))
+        engine.llm.llm_engine.add_lora(request)
+        torch.cuda.synchronize()
         disk.append(time.perf_counter() - start)
+        disk_used.append(disk[-1] + first_use(request))
         engine.llm.llm_engine.remove_lora(500 + version)
         shutil.rmtree(folder, ignore_errors=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
+        ref = ray.put(pack(on_gpu))
+        engine.load_lora(ray.get(ref), 100 + version)
+        torch.cuda.synchronize()
+        via_ray.append(time.perf_counter() - start)
+        del ref
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         packed = pack(on_gpu)
-        engine.load_lora(unpack(packed), version)
+        packing.append(time.perf_counter() - start)
+        engine.load_lora(packed, version)
+        torch.cuda.synchronize()
         mem.append(time.perf_counter() - start)
-    result.update(sync_from_memory_s=round(statistics.median(mem[1:]), 3), sync_via_folder_s=round(statistics.median(disk[1:]), 3))
+        mem_used.append(mem[-1] + first_use(engine._lora_request))
+    ray.shutdown()
+    result.update(sync_from_memory_s=round(statistics.median(mem[1:]), 3), sync_via_folder_s=round(statistics.median(disk[1:]), 3),
+                  sync_via_object_store_s=round(statistics.median(via_ray[1:]), 3), pack_s=round(statistics.median(packing[1:]), 3),
+                  folder_over_memory=round(statistics.median(disk[1:]) / statistics.median(mem[1:]), 2),
+                  sync_and_first_use_memory_s=round(statistics.median(mem_used[1:]), 3),
+                  sync_and_first_use_folder_s=round(statistics.median(disk_used[1:]), 3))
     # phase switch
     sleeps, wakes, freed = [], [], []
     for _ in range(3):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full colocated loop on 2 H200s: 2 vLLM rollout actors + 2 FSDP2 trainer ranks (NCCL), one bundle
 # per GPU, sleep/wake between phases; one model per call so that each call fits the 10-minute limit.
-#   bash scripts/gpu/loop.sh OUT [WORK] [tiny|8b]
+#   [BUNDLES=1] bash scripts/gpu/loop.sh OUT [WORK] [tiny|8b]
+# BUNDLES (default 2): GPUs used, one rollout actor + one trainer rank sharing each (1: both on one H200).
 # tiny: the tiny model (3 steps, eval, checkpoint). 8b: the Qwen3-VL-8B-shaped model with random bf16
 # weights at WORK/model_8b (built if absent), LoRA r32, 2 steps and a full checkpoint. Logs and the
 # metrics log land in OUT; a table of the step anatomy is printed last.
@@ -9,7 +10,7 @@ set -uo pipefail
 OUT=${1:?out dir}; WORK=${2:-/tmp/mazerl}; WHICH=${3:-tiny}
 mkdir -p "$OUT" "$WORK"
 export RAY_AUTH_MODE=disabled VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-COMMON=(output_dir="$WORK/runs" placement.num_bundles=2 placement.cpus_per_bundle=6 metrics.progress_bar=false
+COMMON=(output_dir="$WORK/runs" placement.num_bundles=${BUNDLES:-2} placement.cpus_per_bundle=6 metrics.progress_bar=false
         eval.num_mazes=16 checkpoint.hf_save_interval=0)
 if [ "$WHICH" = tiny ]; then
   timeout 500 python -m app.main configs/h200.yaml run_name=tiny-gpu "${COMMON[@]}" train.max_steps=3 \
