@@ -126,14 +126,10 @@ def validate(tensors: dict[str, torch.Tensor], spec: AdapterSpec, check_values: 
         raise AdapterMismatch(f"adapter does not fit the model (rank {spec.rank}): " + "; ".join(problems))
 
 
-def contiguous_copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Private CPU copies: vLLM scales lora_B in place, which must never reach the caller's tensors."""
-    return {k: v.detach().to("cpu", dtype=dtype or v.dtype, copy=True).contiguous() for k, v in tensors.items()}
-
-
 def private_copies(adapter: "PackedTensors | dict[str, torch.Tensor]", device: str | torch.device,
                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Copies of an adapter on `device` that nobody else holds (an engine may scale them in place).
+    """Contiguous copies of an adapter on `device` that nobody else holds: vLLM scales lora_B in place, which
+    must never reach the caller's tensors or the object store's buffer.
 
     A packed adapter goes to an accelerator as one host-to-device copy of its buffer, the tensors then
     being views of it: 436 per-tensor copies of the 8B-shaped adapter each pay a transfer's latency.
@@ -228,7 +224,7 @@ def write_peft_folder(tensors: dict[str, torch.Tensor], spec: AdapterSpec, out_d
     validate(tensors, spec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(contiguous_copies(tensors), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(private_copies(tensors, "cpu"), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(spec.peft_config(base_model), indent=2))
     return out
 

@@ -41,7 +41,7 @@ class HFEngine(Engine):
         tensors = adapters.normalize_keys(adapters.unpack(tensors))
         adapters.validate(tensors, self.spec)
         dtype = next(self.model.parameters()).dtype
-        result = set_peft_model_state_dict(self.model, adapters.contiguous_copies(tensors, dtype))
+        result = set_peft_model_state_dict(self.model, adapters.private_copies(tensors, "cpu", dtype))
         if getattr(result, "unexpected_keys", None):
             raise adapters.AdapterMismatch(f"PEFT did not place {result.unexpected_keys[:3]}")
         self.lora_version = version
