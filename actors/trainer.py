@@ -21,6 +21,7 @@ class TrainerActor:
         self.model_dir = str(ensure_model(cfg.model, model_cache))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.trainer = None
+        self.warm_start_data = None  # app.sft.WarmStartData, made at the first warm-start step
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the process group."""
@@ -56,13 +57,16 @@ class TrainerActor:
         return metrics, packed
 
     def sft_step(self, maze_seeds: list[int], lr: float) -> dict:
-        """One supervised warm-start step on solver demonstrations of these mazes."""
+        """One supervised warm-start step on these mazes (app.sft.WarmStartData: demonstrations, questions)."""
         from app.episodes import episode_settings
         from app.maze import generate_maze
-        from app.sft import demonstrations
+        from app.sft import WarmStartData
 
         mazes = [generate_maze(s, self.cfg.maze.size) for s in maze_seeds]
-        metrics = self.trainer.sft_step(demonstrations(mazes, self.trainer.codec, episode_settings(self.cfg)), lr)
+        if self.warm_start_data is None:
+            self.warm_start_data = WarmStartData(self.trainer.codec, episode_settings(self.cfg), self.cfg.sft,
+                                                 seed=self.cfg.train.seed)
+        metrics = self.trainer.sft_step(self.warm_start_data.batch(mazes), lr)
         self.trainer.release_cached_memory()
         return metrics
 

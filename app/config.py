@@ -120,6 +120,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = knob(0.45, "share of a GPU's memory a vLLM engine may take", gt=0.0, le=0.95)
     sleep_level: Literal[0, 1] = knob(1, "vLLM sleep between phases: 0 never, 1 weights to host memory (2 would wipe the LoRA slots)")
     image_history: int = knob(0, "keep only the last K maze images in the context; 0 keeps all", ge=0)
+    turn_history: int = knob(0, "keep only the last K turns (reply + observation) after the task statement; "
+                                "0 keeps all (1: the context is the task, the last action and the current picture)", ge=0)
     max_model_len: int = knob(4096, "longest context (prompt + replies) an engine accepts", ge=256)
     enforce_eager: bool = knob(True, "vLLM without CUDA graphs: fast start, slower decode")
 
@@ -152,6 +154,14 @@ class SftConfig:
     steps: int = knob(0, "supervised warm-start steps on BFS demonstrations before GRPO (fresh runs only); 0 skips", ge=0)
     lr: float = knob(1e-3, "learning rate of the warm start", gt=0.0, le=1.0)
     mazes_per_step: int = knob(8, "demonstrated mazes per warm-start step", ge=1)
+    noise: float = knob(0.0, "chance that a demonstration turn is a random move (in context, not trained), so the "
+                             "warm start also shows the way back from states off the shortest path", ge=0.0, lt=1.0)
+    variants: int = knob(1, "distinct examples per maze (noise, random starts, question cells), each made once and "
+                            "replayed in turn", ge=1)
+    random_starts: float = knob(0.0, "share of demonstrations that start from a random open cell instead of the "
+                                     "corner: the solver's way from every part of the maze", ge=0.0, le=1.0)
+    perception: int = knob(0, "questions per demonstrated maze and step on which moves are open from a random cell "
+                              "(free labels that teach a model from random weights to see walls); 0 asks none", ge=0)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from app.maze import DIRECTION_NAMES, Action, Maze
+from app.maze import DIRECTION_NAMES, DIRECTION_OFFSETS, Action, Maze
 
 SYSTEM_PROMPT = "You are an agent that walks through a maze shown in pictures, one action per reply."
 
@@ -58,6 +58,27 @@ def parse_action(text: str) -> Action | None:
         return Action.stop()
     direction = last.group("direction") or last.group("quoted_direction")
     return Action.move(int(direction))
+
+
+def dropped_turns(observations: int, turn_history: int) -> int:
+    """How many of the oldest (reply, observation) turns leave the context, when only the last `turn_history`
+    observations (each with the reply that led to it) stay after the opening; 0 keeps every turn.
+
+    The task statement and the current picture carry everything a maze policy needs (the task is Markov in
+    the picture), so a short window keeps contexts, rollouts and training sequences short and the same
+    length at every turn. Rollouts, SFT and the serving client all drop turns by this one rule.
+    """
+    return max(0, observations - turn_history) if turn_history else 0
+
+
+OPEN_MOVES_QUESTION = "Which moves can you make from where you stand without bumping into a wall? Reply with each of them."
+
+
+def open_moves_reply(maze: Maze, position: tuple[int, int]) -> str:
+    """The answer to OPEN_MOVES_QUESTION, in the action grammar: every move that would not hit a wall."""
+    row, col = position
+    return " ".join(format_action(Action.move(d)) for d, (dr, dc) in DIRECTION_OFFSETS.items()
+                    if maze.is_open((row + dr, col + dc)))
 
 
 def demo_reply(action: Action) -> str:

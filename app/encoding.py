@@ -63,8 +63,12 @@ class ChatCodec:
         return with_image, without
 
     def opening(self, image: Image.Image, max_turns: int, maze_size: int, where: str | None = None) -> Segment:
+        return self.question(image, dialogue.first_turn_text(max_turns, maze_size, where))
+
+    def question(self, image: Image.Image, text: str) -> Segment:
+        """The system prompt, then one user turn of the picture and `text`, up to the assistant's reply."""
         before = (f"<|im_start|>system\n{dialogue.SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n")
-        after = f"{dialogue.first_turn_text(max_turns, maze_size, where)}<|im_end|>\n<|im_start|>assistant\n"
+        after = f"{text}<|im_end|>\n<|im_start|>assistant\n"
         ids, without = self._with_image(before, image, after)
         return Segment(ids, [image], without_images=without)
 

@@ -24,6 +24,7 @@ class EpisodeSettings:
     image_history: int = 0  # keep the last K images in context; 0 keeps all
     max_model_len: int = 4096
     feedback: str = "visgym"  # "compass"/"route": the observation text also says where the goal lies / which way
+    turn_history: int = 0  # keep the last K turns after the task statement; 0 keeps all (dialogue.dropped_turns)
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,18 @@ class RunningEpisode:
     def _where(self) -> str | None:
         return dialogue.where_text(self.settings.feedback, self.env.maze, self.env.position)
 
-    def _view(self) -> tuple[list[Segment], list[int]]:
-        """The context as the model sees it: images outside the window replaced by a short note."""
+    def _view(self) -> tuple[list[Segment], list[int], int]:
+        """The context as the model sees it: images outside the window replaced by a short note, turns
+        outside the turn window left out. Also returns how many history segments were left out."""
         k = self.settings.image_history
         oldest_kept = self.image_count - k if k else 0
+        # history = [opening, reply, observation, reply, observation, ..., (a last reply)]
+        dropped = 2 * dialogue.dropped_turns(self.image_count - 1, self.settings.turn_history)
         view, offsets, image_index = [], [], 0
-        for seg in self.history:
+        for index, seg in enumerate(self.history):
+            if 1 <= index <= dropped:
+                image_index += len(seg.images)
+                continue
             if not seg.images:
                 view.append(seg)
                 continue
@@ -67,21 +74,23 @@ class RunningEpisode:
             else:
                 view.append(Segment(seg.without_images, generated=False))
             image_index += len(seg.images)
-        return view, offsets
+        return view, offsets, dropped
 
     def prompt(self) -> Prompt:
-        view, _ = self._view()
+        view, _, _ = self._view()
         ids = [i for seg in view for i in seg.token_ids]
         return Prompt(ids, [img for seg in view for img in seg.images])
 
     def _close_sequence(self) -> None:
-        view, offsets = self._view()
-        if any(seg.generated for seg in view[self.first_trained:]):
-            self.sequences.append(build_sequence(view, self.first_trained, offsets))
+        view, offsets, dropped = self._view()
+        first = self.first_trained - dropped  # a window move closes the sequence first: nothing trained was dropped
+        if any(seg.generated for seg in view[first:]):
+            self.sequences.append(build_sequence(view, first, offsets))
 
-    def advance(self, ids: list[int], logprobs: list[float], finish_reason: str) -> None:
+    def advance(self, ids: list[int], logprobs: list[float], finish_reason: str, trained: bool = True) -> None:
+        """trained=False: the reply is context only, never a training target (SFT's injected random moves)."""
         codec = self.codec
-        self.history.append(Segment(list(ids), generated=True, logprobs=list(logprobs)))
+        self.history.append(Segment(list(ids), generated=trained, logprobs=list(logprobs)))
         reply = codec.decode(ids)
         action = dialogue.parse_action(reply)
         self.replies.append(reply)
@@ -95,9 +104,9 @@ class RunningEpisode:
         image = as_image(self.env.image(self.settings.cell_px))
         observation = codec.observation(image, result.feedback, self.env.turns_left, close_turn=not closed_by_model,
                                         where=self._where())
-        k = self.settings.image_history
-        if k and self.image_count + 1 > k:
-            # The oldest image leaves the window: the context changes before this point, so the
+        k, observations = self.settings.image_history, self.image_count  # observations after this one is added
+        if (k and self.image_count + 1 > k) or dialogue.dropped_turns(observations, self.settings.turn_history):
+            # The oldest image or turn leaves the window: the context changes before this point, so the
             # sequence so far is complete and the next one starts from the rebuilt context.
             self._close_sequence()
             self.first_trained = len(self.history) + 1
@@ -143,7 +152,7 @@ def episode_settings(cfg) -> EpisodeSettings:
     """The episode rules of a run's config (app.config.Config)."""
     return EpisodeSettings(max_turns=cfg.rollout.max_turns, maze_size=cfg.maze.size, cell_px=cfg.maze.cell_px,
                            image_history=cfg.rollout.image_history, max_model_len=cfg.rollout.max_model_len,
-                           feedback=cfg.maze.feedback)
+                           feedback=cfg.maze.feedback, turn_history=cfg.rollout.turn_history)
 
 
 def context_budget(codec: ChatCodec, settings: EpisodeSettings, max_new_tokens: int) -> int:
@@ -166,8 +175,9 @@ def context_budget(codec: ChatCodec, settings: EpisodeSettings, max_new_tokens: 
     obs = max(observations, key=lambda segment: len(segment.token_ids))
     k = settings.image_history
     turns_after_first = settings.max_turns - 1
-    keeps_all = not k or k >= settings.max_turns  # at the last turn the window holds the newest k images
-    with_image = turns_after_first if keeps_all else k
+    in_view = turns_after_first - dialogue.dropped_turns(turns_after_first, settings.turn_history)
+    keeps_all = not k or k >= in_view + 1  # at the last turn the window holds the newest k images
+    with_image = in_view if keeps_all else min(k, in_view)
     total = len(opening.token_ids) if keeps_all else len(opening.without_images)
-    total += with_image * len(obs.token_ids) + (turns_after_first - with_image) * len(obs.without_images)
-    return total + settings.max_turns * max_new_tokens
+    total += with_image * len(obs.token_ids) + (in_view - with_image) * len(obs.without_images)
+    return total + (in_view + 1) * max_new_tokens

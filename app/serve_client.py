@@ -29,12 +29,13 @@ class PlaySettings:
     image_history: int = 0  # keep the last K images in context; 0 keeps all
     feedback: str = "visgym"
     max_new_tokens: int = 12
+    turn_history: int = 0  # keep the last K turns after the task statement; 0 keeps all
 
     @classmethod
     def from_config(cls, cfg) -> "PlaySettings":
         return cls(max_turns=cfg.rollout.max_turns, maze_size=cfg.maze.size, cell_px=cfg.maze.cell_px,
                    image_history=cfg.rollout.image_history, feedback=cfg.maze.feedback,
-                   max_new_tokens=cfg.rollout.max_new_tokens)
+                   max_new_tokens=cfg.rollout.max_new_tokens, turn_history=cfg.rollout.turn_history)
 
 
 @dataclass
@@ -69,8 +70,13 @@ class ServedEpisode:
         """The conversation so far, pictures as data URLs; those outside the window as app.encoding's note."""
         k = self.settings.image_history
         oldest_kept = len(self.pngs) - k if k else 0
+        # history = [system, task + first picture, reply, observation, reply, observation, ...]
+        dropped = 2 * dialogue.dropped_turns(len(self.pngs) - 1, self.settings.turn_history)
         out, index = [], 0
-        for message in self.history:
+        for position, message in enumerate(self.history):
+            if 2 <= position < 2 + dropped:
+                index += sum(part.get("type") == "image" for part in message["content"])
+                continue
             content = []
             for part in message["content"]:
                 if part.get("type") != "image":

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.engines.hf import HFEngine
     from app.model import ensure_model
     from app.sampler import MazeSampler, eval_mazes
-    from app.sft import demonstration, export_full_model
+    from app.sft import WarmStartData, export_full_model
     from app.training import PolicyTrainer
 
     eval_ids = {m.identity for m in eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)}
@@ -99,18 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         engine.load_lora(trainer.lora_tensors(), engine.lora_version + 1)
         return held_out_report(cfg, engine, settings)
 
-    demos: dict[str, object] = {}  # a maze's demonstration never changes: replay it, do not re-render it
-
-    def demonstration_of(maze):
-        if maze.identity not in demos:
-            demos[maze.identity] = demonstration(maze, trainer.codec, settings)
-        return demos[maze.identity]
+    data = WarmStartData(trainer.codec, settings, cfg.sft, seed=cfg.train.seed)
 
     start = time.perf_counter()
     with (out / "sft_log.jsonl").open("a") as log:
         for step in range(1, cfg.sft.steps + 1):
             lr = cfg.sft.lr * min(1.0, step / args.warmup) if args.warmup else cfg.sft.lr
-            metrics = trainer.sft_step([demonstration_of(m) for m in sampler.next(cfg.sft.mazes_per_step)], lr)
+            metrics = trainer.sft_step(data.batch(sampler.next(cfg.sft.mazes_per_step)), lr)
             elapsed = time.perf_counter() - start
             last = step == cfg.sft.steps or bool(args.max_minutes and elapsed > args.max_minutes * 60)
             evaluating = bool(args.eval_every and step % args.eval_every == 0) or last

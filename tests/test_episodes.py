@@ -9,6 +9,7 @@ import pytest
 
 from app.encoding import png_to_image
 from app.engines.base import Engine, Generation, Sampling
+from app import dialogue
 from app.episodes import EpisodeRequest, EpisodeSettings, context_budget, play_episodes
 from app.maze import generate_maze
 from app.trajectory import summarize
@@ -47,18 +48,19 @@ class ScriptedEngine(Engine):
         return {}
 
 
-def settings(k=0, turns=10):
-    return EpisodeSettings(max_turns=turns, maze_size=7, cell_px=32, image_history=k, max_model_len=4096)
+def settings(k=0, turns=10, turn_history=0):
+    return EpisodeSettings(max_turns=turns, maze_size=7, cell_px=32, image_history=k, max_model_len=4096,
+                           turn_history=turn_history)
 
 
 def requests(n=64):
     return [EpisodeRequest(generate_maze(i // 8, 7), i // 8, i % 8) for i in range(n)]
 
 
-@pytest.mark.parametrize("window", [0, 1, 3])
-def test_masks_select_exactly_the_sampled_tokens(codec, window):
-    engine = ScriptedEngine(codec, seed=window)
-    trajectories = play_episodes(engine, codec, requests(), settings(window), Sampling(12))
+@pytest.mark.parametrize("window,turn_window", [(0, 0), (1, 0), (3, 0), (0, 1), (1, 1), (3, 2)])
+def test_masks_select_exactly_the_sampled_tokens(codec, window, turn_window):
+    engine = ScriptedEngine(codec, seed=window + 10 * turn_window)
+    trajectories = play_episodes(engine, codec, requests(), settings(window, turn_history=turn_window), Sampling(12))
     lengths = {t.turns for t in trajectories}
     assert len(lengths) > 3  # mixed lengths: episodes left the batch at different turns
     for t in trajectories:
@@ -69,6 +71,8 @@ def test_masks_select_exactly_the_sampled_tokens(codec, window):
             assert (s.rollout_logprobs[s.loss_mask == 1] < 0).all()
             if window:
                 assert len(s.image_indices) <= window
+            if turn_window:  # the opening, the last turn_window turns, and the reply(s) being trained
+                assert (s.token_ids == codec.im_end_id).sum() <= 2 * turn_window + 3
             assert (s.token_ids == codec.image_pad_id).sum() == sum(
                 codec.image_tokens(png_to_image(t.images[i])) for i in s.image_indices)
 
@@ -148,10 +152,10 @@ def test_rollout_logprobs_are_the_engines(hf_engine, codec):
         assert len(logps) > 0 and np.all(logps < 0) and np.all(np.isfinite(logps))
 
 
-@pytest.mark.parametrize("window", [0, 2])
-def test_context_budget_bounds_every_context(codec, window):
+@pytest.mark.parametrize("window,turn_window", [(0, 0), (2, 0), (0, 1), (1, 1), (3, 2)])
+def test_context_budget_bounds_every_context(codec, window, turn_window):
     engine = ScriptedEngine(codec, seed=9)
-    st = settings(window, turns=8)
+    st = settings(window, turns=8, turn_history=turn_window)
     trajectories = play_episodes(engine, codec, requests(16), st, Sampling(12))
     longest = max(len(s.token_ids) for t in trajectories for s in t.sequences)
     assert longest <= context_budget(codec, st, 12)
@@ -161,3 +165,32 @@ def test_context_over_max_model_len_is_a_clear_error(codec):
     engine = ScriptedEngine(codec)
     with pytest.raises(ValueError, match="max_model_len"):
         play_episodes(engine, codec, requests(2), EpisodeSettings(10, 7, 32, 0, max_model_len=100), Sampling(12))
+
+
+def test_a_turn_window_keeps_the_task_the_last_turns_and_the_current_picture(codec):
+    """turn_history=1: every prompt after the first turn is the task statement, the last reply and the current
+    observation, so contexts stop growing; each reply is trained exactly once, in the context it was sampled in."""
+    st = settings(1, turns=10, turn_history=1)
+    for seed in range(100):  # the first scripted episode that lasts (random replies include stop)
+        engine = ScriptedEngine(codec, seed=seed)
+        [t] = play_episodes(engine, codec, [EpisodeRequest(generate_maze(5, 7))], st, Sampling(12))
+        if t.turns >= 6:
+            break
+    assert t.turns >= 6
+    prompts = [list(p[1:]) for p, _ in engine.log]
+    lengths = [len(p) for p in prompts[2:]]
+    assert max(lengths) - min(lengths) <= 40  # the same, up to the lengths of replies and feedback texts
+    assert max(len(p) for p in prompts) < len(prompts[0]) + 120
+    start = codec.tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]
+    pads = codec.image_tokens(png_to_image(t.images[0]))
+    for prompt in prompts:
+        assert dialogue.first_turn_text(10, 7) in codec.decode(prompt)  # the task statement stays
+        assert prompt.count(start) <= 5  # system, task, one reply, one observation, the reply being asked for
+        assert prompt.count(codec.image_pad_id) == pads  # the current picture only
+    # every generated reply shows up trained in exactly one sequence, and that sequence is its prompt + reply
+    trained = [s for s in t.sequences if s.num_loss_tokens]
+    assert len(trained) == len(t.sequences) == t.turns  # one per reply: with one picture kept, the context moves each turn
+    for s in t.sequences:
+        ids = s.token_ids.tolist()
+        first = s.loss_mask.tolist().index(1)
+        assert any(ids[:first] == list(p[1:]) and ids[first:] == list(g) for p, g in engine.log)

@@ -168,10 +168,13 @@ def test_served_context_is_the_rollout_context_token_for_token(codec, tiny_model
     rng = random.Random(0)
     allowed = sorted(set(range(len(codec.tokenizer))) - set(codec.forbidden_ids()) - {codec.im_end_id})
     settings = ServeSettings(model_path=tiny_model_dir, adapters_root="/unused")
-    for window, feedback in ((0, "visgym"), (2, "compass"), (1, "visgym")):
-        play = PlaySettings(max_turns=7, maze_size=7, cell_px=32, image_history=window, feedback=feedback)
+    for window, feedback, turns in ((0, "visgym", 0), (2, "compass", 0), (1, "visgym", 0), (1, "visgym", 1),
+                                    (0, "compass", 2)):
+        play = PlaySettings(max_turns=7, maze_size=7, cell_px=32, image_history=window, feedback=feedback,
+                            turn_history=turns)
         maze = generate_maze(3, 7)
-        rollout = RunningEpisode(EpisodeRequest(maze), codec, EpisodeSettings(7, 7, 32, window, feedback=feedback))
+        rollout = RunningEpisode(EpisodeRequest(maze), codec, EpisodeSettings(7, 7, 32, window, feedback=feedback,
+                                                                              turn_history=turns))
         served = ServedEpisode(maze, play)
         for turn in range(7):
             ids, images = encode_conversation(codec, parse_chat_request(

@@ -9,7 +9,9 @@ __all__ = ["Engine", "Generation", "Prompt", "Sampling", "make_engine", "max_ima
 
 
 def max_images_per_prompt(cfg: Config) -> int:
-    return cfg.rollout.image_history or cfg.rollout.max_turns
+    # the opening's picture plus one per observation in the turn window, at most one per turn
+    in_view = cfg.rollout.max_turns if not cfg.rollout.turn_history else min(cfg.rollout.turn_history + 1, cfg.rollout.max_turns)
+    return min(cfg.rollout.image_history or in_view, in_view)
 
 
 def make_engine(cfg: Config, model_dir: str, device: str = "cpu") -> Engine:

@@ -2,7 +2,7 @@
 # The learning run on one H200 (docs/RESULTS.md), in stages that each fit one 10-minute device call.
 #   bash scripts/gpu/learn.sh sft  OUT WORK MINUTES
 #       full-model SFT of the small Qwen3-VL in configs/learn_h200.yaml from random weights (or from INIT),
-#       variants side by side on the one GPU (SIZES="7 9" mazes x SFT_LRS="1e-3 3e-4"), each saving and
+#       variants side by side on the one GPU (SIZES="7 9" mazes x SFT_LRS="1e-3 3e-4", x VARIANTS_SPEC), each saving and
 #       evaluating a checkpoint every 25 steps (STOP_ABOVE=0.5: stop a variant once it passes 50%). Picks the start of GRPO: the checkpoint with the highest held-out solve
 #       rate that is still <= 50%; writes WORK/choice.env and packs it into OUT/start.tar.* (to carry on).
 #   bash scripts/gpu/learn.sh grpo OUT WORK MINUTES
@@ -18,7 +18,7 @@ mkdir -p "$OUT" "$WORK"
 export RAY_AUTH_MODE=disabled VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
        TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=3
 CFG=configs/learn_h200.yaml
-SIZE7=(maze.size=7 rollout.max_turns=17 train.dataset_size=704)
+SIZE7=(maze.size=7 rollout.max_turns=25 train.dataset_size=704)
 SIZE9=(maze.size=9 rollout.max_turns=25 train.dataset_size=20000)
 # EXTRA: more key=value overrides for every run; DEVICE and EVAL_EVERY: for a smoke test on a CPU
 read -r -a EXTRA <<< "${EXTRA:-}"
@@ -32,7 +32,15 @@ if [ "$STAGE" = sft ]; then
   for size in ${SIZES:-7 9}; do
     for lr in ${SFT_LRS:-1e-3 3e-4}; do
       sizes="SIZE$size[*]"
-      VARIANTS[${ROUND:-}s${size}_lr$lr]="${!sizes} sft.lr=$lr${INIT:+ model.path=$INIT}"
+      if [ -n "${VARIANTS_SPEC:-}" ]; then
+        # VARIANTS_SPEC="name:key=value,key=value name2:...": these variants, each at every size and rate
+        for spec in $VARIANTS_SPEC; do
+          extra=${spec#*:}
+          VARIANTS[${ROUND:-}${spec%%:*}_s${size}_lr$lr]="${!sizes} sft.lr=$lr ${extra//,/ }${INIT:+ model.path=$INIT}"
+        done
+      else
+        VARIANTS[${ROUND:-}s${size}_lr$lr]="${!sizes} sft.lr=$lr${INIT:+ model.path=$INIT}"
+      fi
     done
   done
   for name in "${!VARIANTS[@]}"; do
