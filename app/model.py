@@ -229,7 +229,10 @@ def build_tiny_model(shape: TinyModelShape, out_dir: str | os.PathLike) -> Path:
 def load_model(path: str | os.PathLike, dtype: str = "float32", device: str | torch.device = "cpu"):
     from transformers import Qwen3VLForConditionalGeneration
 
+    from app.vision_attention import use_batched_vision_attention
+
     model = Qwen3VLForConditionalGeneration.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    use_batched_vision_attention(model)  # the same attention, one call for all pictures instead of one each
     return model.to(device)
 
 

@@ -5,7 +5,8 @@
 The learning run's SFT steps took ~1.15 s for ~70k tokens of a 10 M-parameter model (docs/RESULTS.md): far
 from what the GPU can do, so the step is bound by something else. This times the parts of a step with the
 device synchronised (making demonstrations, building inputs, the vision tower, forward, backward, optimizer)
-for micro-batch sizes side by side, and writes torch.profiler's top operators to OUT/profile_sft.txt.
+with the vision tower's attention batched (app.vision_attention) and per picture (transformers' loop) side
+by side, and writes torch.profiler's top operators (batched) to OUT/profile_sft.txt.
 Needs only torch/transformers/peft (no vLLM, no Ray).
 """
 
@@ -22,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from app.config import load_config  # noqa: E402
 from app.episodes import episode_settings  # noqa: E402
-from app.model import ensure_model  # noqa: E402
+from app.encoding import ChatCodec  # noqa: E402
+from app.model import ensure_model, load_processor  # noqa: E402
 from app.sampler import MazeSampler  # noqa: E402
 from app.sft import demonstration  # noqa: E402
 from app.training import PolicyTrainer  # noqa: E402
@@ -52,13 +54,17 @@ def main() -> None:
     settings = episode_settings(cfg)
     sampler = MazeSampler(cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, set())
     rows = []
-    for micro in (256, 64):
-        cfg.train.micro_batch = micro
+    micro = cfg.train.micro_batch
+    codec = ChatCodec(load_processor(model_dir))
+    batches = [sampler.next(cfg.sft.mazes_per_step) for _ in range(6)]
+    made = [timed(lambda b=b: [demonstration(m, codec, settings, noise=cfg.sft.noise, seed=1) for m in b], device)
+            for b in batches]
+    demos = [d for d, _ in made]  # the same steps for both variants
+    for label in ("batched", "per picture"):  # app.vision_attention's one call, and the library's loop
         trainer = PolicyTrainer(cfg, model_dir, device=device.type, train_base=True)
-        batches = [sampler.next(cfg.sft.mazes_per_step) for _ in range(6)]
-        made = [timed(lambda b=b: [demonstration(m, trainer.codec, settings, noise=cfg.sft.noise, seed=1) for m in b],
-                      device) for b in batches]
-        demos = [d for d, _ in made]
+        if label == "per picture":
+            for module in trainer.model.modules():
+                module.__dict__.pop("forward", None)
         steps = [timed(lambda d=d: trainer.sft_step(d, 2e-4), device)[1] for d in demos]  # first: picture cache misses
         from app.training import build_items, micro_batches
         from app import grpo
@@ -71,9 +77,9 @@ def main() -> None:
         (logp, _, mask, _), t_fwd = timed(lambda: trainer.token_logprobs(batch, with_grad=True, temperature=1.0), device)
         _, t_bwd = timed(lambda: (-(logp * mask).sum()).backward(), device)
         tokens = sum(len(it.token_ids) for it in items)
-        rows.append((micro, len(items), tokens, median(t for _, t in made), steps[0], median(steps[1:]), len(batch),
+        rows.append((label, micro, len(items), tokens, median(t for _, t in made), steps[0], median(steps[1:]), len(batch),
                      t_inputs, t_vision, t_fwd, t_bwd))
-        if micro == 256:
+        if label == "batched":
             from torch.profiler import ProfilerActivity, profile
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             with profile(activities=activities) as prof:
@@ -86,9 +92,10 @@ def main() -> None:
         del trainer
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    head = ("micro", "seqs", "tokens", "demos_s", "step1_s", "step_s", "pass_seqs", "inputs_s", "vision_s", "fwd_s", "bwd_s")
+    head = ("attention", "micro", "seqs", "tokens", "demos_s", "step1_s", "step_s", "pass_seqs", "inputs_s", "vision_s", "fwd_s", "bwd_s")
     lines = [" ".join(f"{h:>9}" for h in head)]
     lines += [" ".join(f"{v:>9.3f}" if isinstance(v, float) else f"{v:>9}" for v in r) for r in rows]
+    lines.append(f"step time, per picture / batched: {rows[1][6] / rows[0][6]:.2f}")
     (out / "profile_sft_table.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
