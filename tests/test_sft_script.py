@@ -61,3 +61,16 @@ def test_full_model_sft_writes_model_folders_that_start_a_run(tmp_path, capsys):
 def test_a_training_set_larger_than_the_maze_space_is_one_clear_error(tmp_path, capsys):
     assert sft_main([TINY, str(tmp_path / "x"), "maze.size=5", "train.dataset_size=500", "sft.steps=1"]) == 2
     assert "train.dataset_size" in capsys.readouterr().err
+
+
+def test_perception_probe_trains_on_questions_and_scores_held_out_ones(tmp_path, tiny_model_dir):
+    from scripts.perception_probe import main as probe_main
+
+    out = tmp_path / "probe.jsonl"
+    overrides = [f"output_dir={tmp_path}", "eval.num_mazes=4", "maze.size=7", "maze.cell_px=8", "rollout.max_turns=20"]
+    assert probe_main([TINY, str(out), *overrides, "--steps", "3", "--batch", "4", "--eval-every", "2",
+                       "--device", "cpu"]) == 0
+    log = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [e["step"] for e in log] == [2, 3]
+    assert all(0.0 <= e["p_exact"] <= 1.0 and 0.0 <= e["answered"] <= 1.0 and e["heldout_nll"] > 0 for e in log)
+    assert probe_main([TINY, str(out), "sft.noise=2"]) == 2  # a bad config is one clear error
