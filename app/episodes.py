@@ -104,8 +104,9 @@ class RunningEpisode:
         image = as_image(self.env.image(self.settings.cell_px))
         observation = codec.observation(image, result.feedback, self.env.turns_left, close_turn=not closed_by_model,
                                         where=self._where())
-        k, observations = self.settings.image_history, self.image_count  # observations after this one is added
-        if (k and self.image_count + 1 > k) or dialogue.dropped_turns(observations, self.settings.turn_history):
+        k = self.settings.image_history
+        observations = self.image_count  # observations in the history once this one is appended
+        if (k and observations + 1 > k) or dialogue.dropped_turns(observations, self.settings.turn_history):
             # The oldest image or turn leaves the window: the context changes before this point, so the
             # sequence so far is complete and the next one starts from the rebuilt context.
             self._close_sequence()

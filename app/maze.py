@@ -139,6 +139,10 @@ class Maze:
     def _shortest_path(self) -> tuple[int, ...]:
         return _bfs_directions(self.walls, self.start, self.goal)
 
+    def open_cells(self) -> list[Cell]:
+        """Every cell an agent can stand on, row by row."""
+        return [(int(row), int(col)) for row, col in np.argwhere(~self.walls)]
+
     def path_from(self, cell: Cell) -> list[int]:
         """Directions of a shortest path from ``cell`` (an open cell) to the goal."""
         return list(_bfs_directions(self.walls, _as_cell(cell), self.goal))

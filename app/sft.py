@@ -47,9 +47,8 @@ def solver_action(maze: Maze, position: tuple[int, int]) -> Action:
     return Action.move(path[0]) if path else Action.stop()
 
 
-def demonstrations(mazes: list[Maze], codec: ChatCodec, settings: EpisodeSettings, noise: float = 0.0,
-                   seed: int = 0) -> list[Trajectory]:
-    return [demonstration(m, codec, settings, group=i, noise=noise, seed=seed) for i, m in enumerate(mazes)]
+def demonstrations(mazes: list[Maze], codec: ChatCodec, settings: EpisodeSettings) -> list[Trajectory]:
+    return [demonstration(m, codec, settings, group=i) for i, m in enumerate(mazes)]
 
 
 def perception_example(maze: Maze, position: tuple[int, int], codec: ChatCodec, cell_px: int) -> Trajectory:
@@ -97,7 +96,7 @@ class WarmStartData:
 
     def _make(self, maze: Maze, variant: int) -> list[Trajectory]:
         rng = np.random.default_rng([self.seed, maze.seed, variant])
-        cells = [tuple(int(x) for x in cell) for cell in np.argwhere(~maze.walls)]
+        cells = maze.open_cells()
         played = maze
         if rng.random() < self.sft.random_starts:
             # The same walls and goal; the start is not drawn, so the pictures are the game's own.

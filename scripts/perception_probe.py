@@ -60,9 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(cfg.train.seed)
 
     def question(maze):
-        cells = np.argwhere(~maze.walls)
-        cell = tuple(int(x) for x in cells[rng.integers(len(cells))])
-        return perception_example(maze, cell, trainer.codec, cfg.maze.cell_px)
+        cells = maze.open_cells()
+        return perception_example(maze, cells[rng.integers(len(cells))], trainer.codec, cfg.maze.cell_px)
 
     tests = build_items([question(m) for m in held_out], grpo.AdvantageResult([0.0] * len(held_out),
                                                                                [True] * len(held_out), len(held_out), 0))

@@ -372,3 +372,10 @@ def test_bfs_policy_solves_exactly_the_solvable_mazes() -> None:
     assert all(episode.done for episode in episodes)
     assert {episode.outcome for episode in episodes} == {SOLVED, OUT_OF_TURNS}
     assert all(episode.invalid_actions == 0 for episode in episodes)
+
+
+def test_open_cells_are_the_floor_start_and_goal_included() -> None:
+    maze = generate_maze(3, 7)
+    cells = maze.open_cells()
+    assert len(cells) == int((~maze.walls).sum()) == 17  # 9 rooms + the 8 passages of a spanning tree
+    assert maze.start in cells and maze.goal in cells and all(maze.is_open(c) for c in cells)

@@ -10,7 +10,8 @@ __all__ = ["Engine", "Generation", "Prompt", "Sampling", "make_engine", "max_ima
 
 def max_images_per_prompt(cfg: Config) -> int:
     # the opening's picture plus one per observation in the turn window, at most one per turn
-    in_view = cfg.rollout.max_turns if not cfg.rollout.turn_history else min(cfg.rollout.turn_history + 1, cfg.rollout.max_turns)
+    turns, window = cfg.rollout.max_turns, cfg.rollout.turn_history
+    in_view = min(window + 1, turns) if window else turns
     return min(cfg.rollout.image_history or in_view, in_view)
 
 

@@ -27,7 +27,8 @@ from app.encoding import ChatCodec  # noqa: E402
 from app.model import ensure_model, load_processor  # noqa: E402
 from app.sampler import MazeSampler  # noqa: E402
 from app.sft import demonstration  # noqa: E402
-from app.training import PolicyTrainer  # noqa: E402
+from app import grpo  # noqa: E402
+from app.training import PolicyTrainer, build_items, micro_batches  # noqa: E402
 
 
 def sync(device) -> None:
@@ -66,8 +67,6 @@ def main() -> None:
             for module in trainer.model.modules():
                 module.__dict__.pop("forward", None)
         steps = [timed(lambda d=d: trainer.sft_step(d, 2e-4), device)[1] for d in demos]  # first: picture cache misses
-        from app.training import build_items, micro_batches
-        from app import grpo
         items = build_items(demos[-1], grpo.AdvantageResult([0.0] * len(demos[-1]), [True] * len(demos[-1]),
                                                             len(demos[-1]), 0))
         batch = micro_batches(items, items, micro).get(0)[0]
