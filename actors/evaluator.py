@@ -8,6 +8,7 @@ from pathlib import Path
 import ray
 
 from app.config import Config
+from app.diagnosis import diagnosis_metrics
 from app.engines import Sampling
 from app.evaluation import eval_report
 from app.sampler import eval_mazes
@@ -32,7 +33,7 @@ class EvaluatorActor:
         refs = [actor.play.remote(share, 1, greedy)[1] for actor, share in zip(self.rollouts, shares) if share]
         trajectories = sorted((t for batch in ray.get(refs) for t in batch), key=lambda t: t.group)
         report = eval_report(trajectories, self.cfg.rollout.max_turns)
-        report["step"] = step
+        report.update(diagnosis_metrics(report, self.cfg.maze.size), step=step)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"eval_step_{step:06d}.json"
         tmp = path.with_suffix(".json.tmp")

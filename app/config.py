@@ -79,6 +79,8 @@ class TinyModelShape:
     vision_hidden_size: int = knob(64, "vision tower width", ge=16)
     vision_heads: int = knob(2, "vision tower attention heads", ge=1)
     vocab_size: int = knob(1024, "BPE vocabulary trained locally, before the special tokens", ge=300)
+    rope_theta: float = knob(5_000_000.0, "text RoPE base; Qwen's 5e6 leaves a small model ~1 frequency that tells "
+                                          "neighbouring picture cells apart, 1e4 leaves several", gt=1.0)
     seed: int = knob(0, "seed of the random weights and of the tokenizer corpus")
 
 

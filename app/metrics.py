@@ -41,6 +41,8 @@ EXPORTED = {
     "eval_solve_rate_of_solvable": "held-out solve rate among mazes solvable within max_turns",
     "eval_mean_turns": "mean turns of held-out episodes",
     "eval_invalid_action_rate": "share of held-out turns whose action was invalid",
+    "eval_why_first_try_open": "share of held-out move attempts (not repeats) into an open cell: perception",
+    "eval_why_first_try_toward": "share of held-out move attempts (not repeats) along a shortest path",
     "train_logprob_mismatch_max": "max |trainer - rollout| logprob on sampled tokens",
     "time_rollout_s": "rollout phase duration",
     "time_train_s": "train phase duration",

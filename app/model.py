@@ -129,7 +129,7 @@ def tiny_config(shape: TinyModelShape, vocab_size: int, token_ids: dict[str, int
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, max_position_embeddings=8192,
         rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_interleaved": True,
+        rope_parameters={"rope_type": "default", "rope_theta": float(shape.rope_theta), "mrope_interleaved": True,
                          "mrope_section": _mrope_section(shape.head_dim)},
     )
     vision = dict(

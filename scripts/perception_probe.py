@@ -1,7 +1,8 @@
 """Can the model learn to see walls? Full-model SFT on open-move questions alone, from the config's model.
 
     python scripts/perception_probe.py CONFIG OUT.jsonl [key=value ...] [--steps N] [--lr LR] [--batch B]
-                                       [--eval-every K] [--device cpu|cuda]
+                                       [--eval-every K] [--max-minutes M] [--stop-above P] [--save DIR]
+                                       [--device cpu|cuda]
 
 The learning run's warm start plateaus with about one decision in two right (docs/RESULTS.md). A move needs
 two things: seeing which neighbours of the agent are open, and knowing which of them leads to the goal. This
@@ -9,7 +10,8 @@ isolates the first: each example is one `app.sft.perception_example` (a training
 open cell, "which moves are open?"), and the score is the teacher-forced probability of the exact answer on
 64 held-out mazes' questions (a model that sees answers with probability near 1; one that guesses scores the
 prior of the answer sets). Minutes on a GPU, so architecture and learning-rate variants can be compared before
-a learning run spends its device time. One line per evaluation in OUT.jsonl.
+a learning run spends its device time. One line per evaluation in OUT.jsonl. With --save, the trained model
+is written as a model folder: a warm start that already sees the walls, for scripts/sft.py (`model.path=DIR`).
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="questions per step")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--max-minutes", type=float, default=0.0, help="stop (after one last evaluation) past this time")
+    ap.add_argument("--stop-above", type=float, default=0.0, help="stop once the held-out p_exact exceeds this")
+    ap.add_argument("--save", help="write the trained model here at the end (a model folder for model.path)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # flags may sit between the overrides (the sweep script mixes them)
     try:
         cfg = load_config(args.config, ["rollout.engine=hf", *args.overrides])
     except ConfigError as e:
@@ -49,12 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     from app.driver import model_cache
     from app.model import ensure_model
     from app.sampler import MazeSampler, eval_mazes
-    from app.sft import perception_example
+    from app.sft import export_full_model, perception_example
     from app.training import PolicyTrainer, build_items
 
     torch.manual_seed(cfg.train.seed)
     torch.set_float32_matmul_precision("high")
-    trainer = PolicyTrainer(cfg, str(ensure_model(cfg.model, model_cache(cfg))), device=args.device, train_base=True)
+    model_dir = str(ensure_model(cfg.model, model_cache(cfg)))
+    trainer = PolicyTrainer(cfg, model_dir, device=args.device, train_base=True)
     held_out = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
     sampler = MazeSampler(cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, {m.identity for m in held_out})
     rng = np.random.default_rng(cfg.train.seed)
@@ -80,12 +86,20 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(1, args.steps + 1):
             lr = args.lr * min(1.0, step / args.warmup) if args.warmup else args.lr
             metrics = trainer.sft_step([question(m) for m in sampler.next(args.batch)], lr)
-            if step % args.eval_every == 0 or step == args.steps:
+            out_of_time = args.max_minutes > 0 and time.perf_counter() - start > 60 * args.max_minutes
+            if step % args.eval_every == 0 or step == args.steps or out_of_time:
                 entry = {"step": step, "elapsed_s": round(time.perf_counter() - start, 1), "lr": lr,
                          "train_nll": metrics["sft_nll"], **score()}
                 log.write(json.dumps(entry) + "\n")
                 log.flush()
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()}), flush=True)
+                if args.stop_above and entry["p_exact"] > args.stop_above:
+                    break
+            if out_of_time:
+                break
+    if args.save:
+        # float32: the folder is a starting point for more training, not for serving
+        print(f"model: {export_full_model(trainer.model, model_dir, args.save, 'float32')}")
     return 0
 
 

@@ -32,6 +32,7 @@ from app.config import ConfigError, load_config  # noqa: E402
 
 def held_out_report(cfg, engine, settings) -> dict:
     """The evaluator's report on the held-out mazes, greedy, with the engine's current weights."""
+    from app.diagnosis import diagnosis_metrics
     from app.engines.base import Sampling
     from app.episodes import EpisodeRequest, play_episodes
     from app.evaluation import eval_report
@@ -40,7 +41,9 @@ def held_out_report(cfg, engine, settings) -> dict:
     mazes = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
     played = play_episodes(engine, engine.codec, [EpisodeRequest(m, i) for i, m in enumerate(mazes)], settings,
                            Sampling(cfg.rollout.max_new_tokens, 0.0))
-    return {k: v for k, v in eval_report(played, cfg.rollout.max_turns).items() if k != "mazes"}
+    report = eval_report(played, cfg.rollout.max_turns)
+    report.update(diagnosis_metrics(report, cfg.maze.size))
+    return {k: v for k, v in report.items() if k != "mazes"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,11 @@ def test_eval_results_and_exports_are_written(tiny_run):
     assert [p.name for p in evals] == ["eval_step_000000.json", "eval_step_000002.json"]
     report = json.loads(evals[-1].read_text())
     assert len(report["mazes"]) == 4 and {"outcome", "solvable", "actions"} <= set(report["mazes"][0])
+    from app.diagnosis import diagnosis_metrics
+
+    # The why_ shares say what each held-out turn was, recomputed here from the report's own actions
+    assert {k: v for k, v in report.items() if k.startswith("why_")} == diagnosis_metrics(report, 7)
+    assert sum(v for k, v in report.items() if k.startswith("why_share_")) == pytest.approx(1.0)
     for step in (1, 2):
         folder = tiny_run / "export" / f"global_step_{step:06d}"
         assert (folder / "adapter_model.safetensors").is_file() and (folder / "adapter_config.json").is_file()

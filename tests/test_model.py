@@ -23,6 +23,15 @@ def test_tiny_model_folder_is_complete_hf_format(tiny_model_dir):
     assert config["architectures"] == ["Qwen3VLForConditionalGeneration"]
     assert config["text_config"]["head_dim"] == 32  # vLLM's CPU attention supports it
     assert sum(config["text_config"]["rope_parameters"]["mrope_section"]) == 16
+    assert config["text_config"]["rope_parameters"]["rope_theta"] == TinyModelShape().rope_theta == 5_000_000.0
+
+
+def test_rope_base_is_a_shape_knob():
+    from app.model import tiny_config
+
+    config = tiny_config(TinyModelShape(rope_theta=10_000.0), 1100, {t: i for i, t in enumerate(SPECIAL_TOKENS)})
+    assert config.text_config.rope_parameters["rope_theta"] == 10_000.0
+    assert shape_key(TinyModelShape(rope_theta=10_000.0)) != shape_key(TinyModelShape())  # a different model folder
 
 
 def test_build_is_deterministic_and_cached(tmp_path, tiny_model_dir):

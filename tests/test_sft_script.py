@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from app import adapters
 from app.config import load_config
 from scripts.sft import main as sft_main
@@ -63,14 +65,45 @@ def test_a_training_set_larger_than_the_maze_space_is_one_clear_error(tmp_path, 
     assert "train.dataset_size" in capsys.readouterr().err
 
 
-def test_perception_probe_trains_on_questions_and_scores_held_out_ones(tmp_path, tiny_model_dir):
+def test_perception_probe_trains_on_questions_and_scores_held_out_ones(tmp_path, tiny_model_dir, capsys):
     from scripts.perception_probe import main as probe_main
 
     out = tmp_path / "probe.jsonl"
     overrides = [f"output_dir={tmp_path}", "eval.num_mazes=4", "maze.size=7", "maze.cell_px=8", "rollout.max_turns=20"]
+    saved = tmp_path / "seeing"
     assert probe_main([TINY, str(out), *overrides, "--steps", "3", "--batch", "4", "--eval-every", "2",
-                       "--device", "cpu"]) == 0
+                       "--device", "cpu", "--save", str(saved)]) == 0
     log = [json.loads(line) for line in out.read_text().splitlines()]
     assert [e["step"] for e in log] == [2, 3]
     assert all(0.0 <= e["p_exact"] <= 1.0 and 0.0 <= e["answered"] <= 1.0 and e["heldout_nll"] > 0 for e in log)
     assert probe_main([TINY, str(out), "sft.noise=2"]) == 2  # a bad config is one clear error
+    # --stop-above ends at the first evaluation past it (any p > 1e-30); flags may sit between the overrides
+    again = tmp_path / "again.jsonl"
+    assert probe_main([TINY, str(again), overrides[0], "--stop-above", "1e-30", *overrides[1:], "--steps", "9",
+                       "--batch", "2", "--eval-every", "1", "--device", "cpu"]) == 0
+    assert [json.loads(line)["step"] for line in again.read_text().splitlines()] == [1]
+
+    # The saved model is a model folder that the diagnosis (and scripts/sft.py, model.path=) plays
+    from scripts.diagnose import main as diagnose_main
+
+    assert diagnose_main([TINY, str(saved), *overrides[:4], "rollout.max_turns=9", "--questions", "--device", "cpu"]) == 0
+    played = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert played["mazes"] == 4 and played["questions"] == 4 and 0 <= played["open_moves_per_neighbour"] <= 1
+    assert played["turns"] <= 36 and sum(v for k, v in played.items() if k.startswith("share_")) == pytest.approx(1)
+
+
+def test_diagnose_reads_an_eval_report_and_rejects_bad_usage(tmp_path, capsys):
+    from app.dialogue import format_action
+    from app.maze import Action, generate_maze
+    from scripts.diagnose import main as diagnose_main
+
+    maze = generate_maze(11, 7)
+    solved = [format_action(Action.move(d)) for d in maze.shortest_path()] + [format_action(Action.stop())]
+    report = tmp_path / "eval_step_000004.json"
+    report.write_text(json.dumps({"mazes": [{"seed": 11, "actions": solved}, {"seed": 12, "actions": [None, None]}]}))
+    assert diagnose_main([TINY, "--eval-json", str(report), "maze.size=7"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["solved"] == 1 and found["share_invalid"] == pytest.approx(2 / (len(solved) + 2))
+    assert found["first_try_toward"] == 1.0
+    assert diagnose_main([TINY]) == 2 and "either MODEL_DIR" in capsys.readouterr().err
+    assert diagnose_main([TINY, "--eval-json", str(report), "maze.size=4"]) == 2  # a bad override: one clear error

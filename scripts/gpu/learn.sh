@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # The learning run on one H200 (docs/RESULTS.md), in stages that each fit one 10-minute device call.
+#   bash scripts/gpu/learn.sh see  OUT WORK MINUTES
+#       first teach the model of configs/learn_h200.yaml (random weights) to see walls: scripts/perception_probe.py
+#       on open-move questions alone, alone on the GPU, until the held-out exact-answer probability passes
+#       SEE_ABOVE (0.95) or time runs out; saves WORK/seeing, which the sft stage starts from (INIT=WORK/seeing).
 #   bash scripts/gpu/learn.sh sft  OUT WORK MINUTES
 #       full-model SFT of the small Qwen3-VL in configs/learn_h200.yaml from random weights (or from INIT),
 #       variants side by side on the one GPU (SIZES="7 9" mazes x SFT_LRS="1e-3 3e-4", x VARIANTS_SPEC), each saving and
@@ -24,6 +28,13 @@ SIZE9=(maze.size=9 rollout.max_turns=25 train.dataset_size=20000)
 read -r -a EXTRA <<< "${EXTRA:-}"
 SFT_ARGS=(model.dtype=float32 rollout.engine=hf output_dir="$WORK/runs" "${EXTRA[@]}" --full --device "${DEVICE:-cuda}"
           --eval-every "${EVAL_EVERY:-25}")
+
+if [ "$STAGE" = see ]; then
+  python scripts/perception_probe.py "$CFG" "$OUT/see.jsonl" model.dtype=float32 output_dir="$WORK/runs" "${EXTRA[@]}" \
+    --device "${DEVICE:-cuda}" --batch "${SEE_BATCH:-128}" --lr "${SEE_LR:-3e-4}" --eval-every "${EVAL_EVERY:-50}" \
+    --steps 1000000 --max-minutes "$MINUTES" --stop-above "${SEE_ABOVE:-0.95}" --save "$WORK/seeing" 2>&1 | grep -v "it/s]"
+  exit "${PIPESTATUS[0]}"
+fi
 
 if [ "$STAGE" = sft ]; then
   # SIZES and SFT_LRS pick the variants; INIT: a model folder to continue from (a start.tar unpacked in WORK);
@@ -60,7 +71,9 @@ best = None
 print("\n=== SFT: held-out greedy solve rate by step (64 mazes) ===")
 for run in sorted(work.glob("sft_*/sft_log.jsonl")):
     evals = [e for e in map(json.loads, run.read_text().splitlines()) if "eval_solve_rate" in e]
-    print(run.parent.name, " ".join(f"{e['sft_step']}:{e['eval_solve_rate']:.2f}" for e in evals))
+    # step:solve rate/share of first move attempts into an open cell (perception; app.diagnosis)
+    print(run.parent.name, " ".join(f"{e['sft_step']}:{e['eval_solve_rate']:.2f}/{e.get('eval_why_first_try_open', 0):.2f}"
+                                    for e in evals))
     for e in evals:
         folder = run.parent / f"step_{e['sft_step']}"
         if e["eval_solve_rate"] <= 0.5 and folder.is_dir() and (best is None or e["eval_solve_rate"] > best[0]):

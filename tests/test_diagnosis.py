@@ -1,0 +1,91 @@
+"""app.diagnosis: every turn of an episode classed from the maze and the actions, checked against the game."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.diagnosis import TURN_CLASSES, diagnose_episode, diagnose_report, diagnosis_metrics, distances_to_goal
+from app.dialogue import format_action
+from app.maze import DIRECTION_OFFSETS, Action, MazeEpisode, generate_maze
+
+
+def move(direction: int) -> str:
+    return format_action(Action.move(direction))
+
+
+STOP = format_action(Action.stop())
+
+
+def walled(maze, cell) -> list[int]:
+    return [d for d, (dr, dc) in DIRECTION_OFFSETS.items() if not maze.is_open((cell[0] + dr, cell[1] + dc))]
+
+
+def test_distances_match_the_solver():
+    for seed in range(20):
+        maze = generate_maze(seed, 7)
+        dist = distances_to_goal(maze)
+        assert set(dist) == set(maze.open_cells())
+        for cell in maze.open_cells():
+            assert dist[cell] == len(maze.path_from(cell))
+
+
+def test_the_solver_path_is_all_toward_then_solved():
+    maze = generate_maze(3, 7)
+    found = diagnose_episode(maze, [move(d) for d in maze.shortest_path()] + [STOP])
+    assert found.turns == ("toward",) * maze.shortest_path_length + ("stop_goal",)
+    assert found.solved and not found.looped
+
+
+def test_bumps_repeats_loops_invalid_and_stops():
+    maze = generate_maze(5, 7)
+    blocked = walled(maze, maze.start)
+    assert len(blocked) >= 2  # a corner start has the border on two sides
+    same = diagnose_episode(maze, [move(blocked[0])] * 4)
+    assert same.turns == ("bump", "repeat_bump", "repeat_bump", "repeat_bump") and same.looped
+    alternating = diagnose_episode(maze, [move(blocked[0]), move(blocked[1])] * 3)
+    assert alternating.turns == ("bump",) * 6 and not alternating.looped  # different walls: not a repeat
+    mixed = diagnose_episode(maze, [None, move(blocked[0]), None, move(blocked[0]), STOP, move(blocked[0])])
+    assert mixed.turns == ("invalid", "bump", "invalid", "bump", "stop_off_goal")  # nothing counts after a stop
+    assert not mixed.solved
+
+
+def test_an_open_move_off_the_shortest_path_is_away():
+    for seed in range(200):
+        maze = generate_maze(seed, 7)
+        dist = distances_to_goal(maze)
+        row, col = maze.start
+        away = [d for d, (dr, dc) in DIRECTION_OFFSETS.items()
+                if maze.is_open((row + dr, col + dc)) and dist[(row + dr, col + dc)] > dist[maze.start]]
+        if away:
+            back = (away[0] + 2) % 4  # right<->left, up<->down
+            found = diagnose_episode(maze, [move(away[0]), move(back)])
+            assert found.turns == ("away", "toward")
+            return
+    pytest.fail("no maze with a dead end at its start in 200 seeds")
+
+
+def test_classes_agree_with_the_game_on_random_play():
+    rng = np.random.default_rng(0)
+    report = {"mazes": []}
+    for seed in range(30):
+        maze = generate_maze(seed, 7)
+        episode, actions = MazeEpisode(maze, 25), []
+        while not episode.done:
+            pick = rng.integers(6)
+            action = None if pick == 5 else Action.stop() if pick == 4 and rng.random() < 0.2 else \
+                Action.move(int(pick % 4))
+            actions.append(None if action is None else format_action(action))
+            episode.step(action)
+        found = diagnose_episode(maze, actions)
+        assert len(found.turns) == episode.turns
+        assert sum(c in ("bump", "repeat_bump", "invalid") for c in found.turns) == episode.invalid_actions
+        assert sum(c in ("toward", "away") for c in found.turns) == episode.moves
+        assert found.solved == (episode.outcome == "solved")
+        report["mazes"].append({"seed": seed, "actions": actions})
+    summary = diagnose_report(report, 7)
+    assert summary["mazes"] == 30 and summary["turns"] > 30
+    assert sum(summary[f"share_{c}"] for c in TURN_CLASSES) == pytest.approx(1.0)
+    assert 0 < summary["first_try_toward"] < summary["first_try_open"] < 1
+    metrics = diagnosis_metrics(report, 7)
+    assert metrics["why_first_try_open"] == summary["first_try_open"] and all(k.startswith("why_") for k in metrics)
