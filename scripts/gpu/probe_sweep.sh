@@ -2,20 +2,23 @@
 # Perception probes side by side on one GPU: can a model/recipe variant learn to see the walls?
 #   VARIANTS_SPEC="name:key=value,--flag=value name2:..." bash scripts/gpu/probe_sweep.sh OUT MINUTES [CONFIG]
 # Each variant runs scripts/perception_probe.py with its config overrides and probe flags (comma-separated;
-# PROBE_ARGS adds flags to every variant) for at most MINUTES, in parallel. OUT gets probes.jsonl (every
-# evaluation, with its variant), probe_logs.tar.gz (each variant's output) and a printed table of the held-out
-# exact-answer probability (the blind prior is ~0.17; a model that sees scores near 1).
+# PROBE_ARGS adds flags to every variant, and a variant's own flag wins over them) for at most MINUTES, in
+# parallel. OUT gets probes.jsonl (every evaluation, with its variant), probe_logs.tar.gz (each variant's
+# output) and a printed table of the held-out exact-answer probability (the blind prior is ~0.17; a model that
+# sees scores near 1).
+# Each variant keeps 1 GB of processed pictures on the GPU (8 variants at the config's 8 GB ran out of memory).
 set -uo pipefail
 OUT=${1:?out dir}; MINUTES=${2:?minutes}; CFG=${3:-configs/learn_h200.yaml}
-WORK=/tmp/probe_sweep
-mkdir -p "$OUT" "$WORK"
+WORK=$(mktemp -d /tmp/probe_sweep.XXXXXX)  # this sweep's own: a warm machine may run several
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
 read -r -a COMMON <<< "${PROBE_ARGS:-}"
 for spec in ${VARIANTS_SPEC:?name:overrides ...}; do
   name=${spec%%:*}; extra=${spec#*:}
   # shellcheck disable=SC2086
   python scripts/perception_probe.py "$CFG" "$WORK/probe_$name.jsonl" model.dtype=float32 output_dir="$WORK/runs_$name" \
-    ${extra//,/ } "${COMMON[@]}" --max-minutes "$MINUTES" > "$WORK/probe_$name.log" 2>&1 &
+    train.picture_cache_gb=1 \
+    "${COMMON[@]}" ${extra//,/ } --max-minutes "$MINUTES" > "$WORK/probe_$name.log" 2>&1 &
 done
 wait
 tar -C "$WORK" -czf "$OUT/probe_logs.tar.gz" $(cd "$WORK" && ls probe_*)
