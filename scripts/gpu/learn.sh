@@ -4,6 +4,8 @@
 #       first teach the model of configs/learn_h200.yaml (random weights) to see walls: scripts/perception_probe.py
 #       on open-move questions alone, alone on the GPU, until the held-out exact-answer probability passes
 #       SEE_ABOVE (0.95) or time runs out; saves WORK/seeing, which the sft stage starts from (INIT=WORK/seeing).
+#   bash scripts/gpu/learn.sh see+sft OUT WORK MINUTES
+#       both in one call: see for at most SEE_MINUTES (default all of MINUTES), then sft from WORK/seeing for the rest.
 #   bash scripts/gpu/learn.sh sft  OUT WORK MINUTES
 #       full-model SFT of the small Qwen3-VL in configs/learn_h200.yaml from random weights (or from INIT),
 #       variants side by side on the one GPU (SIZES="7 9" mazes x SFT_LRS="1e-3 3e-4", x VARIANTS_SPEC), each saving and
@@ -29,11 +31,20 @@ read -r -a EXTRA <<< "${EXTRA:-}"
 SFT_ARGS=(model.dtype=float32 rollout.engine=hf output_dir="$WORK/runs" "${EXTRA[@]}" --full --device "${DEVICE:-cuda}"
           --eval-every "${EVAL_EVERY:-25}")
 
-if [ "$STAGE" = see ]; then
+if [ "$STAGE" = see ] || [ "$STAGE" = see+sft ]; then
+  t0=$(date +%s)
   python scripts/perception_probe.py "$CFG" "$OUT/see.jsonl" model.dtype=float32 output_dir="$WORK/runs" "${EXTRA[@]}" \
-    --device "${DEVICE:-cuda}" --batch "${SEE_BATCH:-128}" --lr "${SEE_LR:-3e-4}" --eval-every "${EVAL_EVERY:-50}" \
-    --steps 1000000 --max-minutes "$MINUTES" --stop-above "${SEE_ABOVE:-0.95}" --save "$WORK/seeing" 2>&1 | grep -v "it/s]"
-  exit "${PIPESTATUS[0]}"
+    --device "${DEVICE:-cuda}" --batch "${SEE_BATCH:-128}" --lr "${SEE_LR:-3e-4}" --eval-every "${SEE_EVAL_EVERY:-50}" \
+    --steps 1000000 --max-minutes "${SEE_MINUTES:-$MINUTES}" --stop-above "${SEE_ABOVE:-0.95}" --save "$WORK/seeing" \
+    2>&1 | grep -v "it/s]"
+  rc=${PIPESTATUS[0]}
+  [ "$STAGE" = see ] && exit "$rc"
+  [ "$rc" = 0 ] && [ -d "$WORK/seeing" ] || { echo "the see stage failed (exit $rc): no $WORK/seeing"; exit 2; }
+  # see+sft: the warm start from the model that sees, in the minutes the see stage left
+  INIT=$WORK/seeing
+  MINUTES=$(python3 -c "print(round(max(0.5, $MINUTES - ($(date +%s) - $t0) / 60), 2))")
+  echo "see stage done in $(( $(date +%s) - t0 )) s; SFT from $INIT for $MINUTES minutes"
+  STAGE=sft
 fi
 
 if [ "$STAGE" = sft ]; then
