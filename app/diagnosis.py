@@ -51,7 +51,7 @@ def distances_to_goal(maze: Maze) -> dict[tuple[int, int], int]:
 def diagnose_episode(maze: Maze, actions: list[str | None]) -> EpisodeDiagnosis:
     """Replays `actions` (canonical action texts, None for a reply that did not parse) from the maze's start."""
     dist = distances_to_goal(maze)
-    position, previous, classes, run, longest_final_run = maze.start, None, [], 0, 0
+    position, previous, classes, repeats = maze.start, None, [], 0
     solved = False
     for text in actions:
         action = parse_action(text) if text is not None else None
@@ -71,12 +71,11 @@ def diagnose_episode(maze: Maze, actions: list[str | None]) -> EpisodeDiagnosis:
                 position, previous = target, None
         if cls not in ("bump", "repeat_bump"):
             previous = None
-        run = run + 1 if cls == "repeat_bump" else 0
-        longest_final_run = run
+        repeats = repeats + 1 if cls == "repeat_bump" else 0  # the current run of the same bump
         classes.append(cls)
         if cls.startswith("stop"):
             break
-    return EpisodeDiagnosis(tuple(classes), solved, looped=longest_final_run >= 2)
+    return EpisodeDiagnosis(tuple(classes), solved, looped=repeats >= 2)
 
 
 def diagnose_report(report: dict, maze_size: int) -> dict:
@@ -84,7 +83,13 @@ def diagnose_report(report: dict, maze_size: int) -> dict:
     from app.maze import generate_maze
 
     counts: Counter[str] = Counter()
-    episodes = [diagnose_episode(generate_maze(m["seed"], maze_size), m["actions"]) for m in report["mazes"]]
+    episodes = []
+    for played in report["mazes"]:
+        maze = generate_maze(played["seed"], maze_size)
+        if played.get("maze_id", maze.identity) != maze.identity:
+            raise ValueError(f"maze seed {played['seed']} at size {maze_size} is not the maze the report played: "
+                             "pass the run's maze.size")
+        episodes.append(diagnose_episode(maze, played["actions"]))
     for episode in episodes:
         counts.update(episode.turns)
     turns = max(sum(counts.values()), 1)

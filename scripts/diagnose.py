@@ -77,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     from app.diagnosis import diagnose_report
 
     if args.eval_json:
-        report = json.loads(Path(args.eval_json).read_text())
-        print(json.dumps({"source": args.eval_json, **diagnose_report(report, cfg.maze.size)}))
+        try:
+            found = diagnose_report(json.loads(Path(args.eval_json).read_text()), cfg.maze.size)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+            print(f"cannot diagnose {args.eval_json}: {e!r}", file=sys.stderr)
+            return 2
+        print(json.dumps({"source": args.eval_json, **found}))
         return 0
 
     from app.adapters import read_peft_folder

@@ -82,10 +82,16 @@ def test_classes_agree_with_the_game_on_random_play():
         assert sum(c in ("bump", "repeat_bump", "invalid") for c in found.turns) == episode.invalid_actions
         assert sum(c in ("toward", "away") for c in found.turns) == episode.moves
         assert found.solved == (episode.outcome == "solved")
-        report["mazes"].append({"seed": seed, "actions": actions})
+        report["mazes"].append({"seed": seed, "maze_id": maze.identity, "actions": actions})
     summary = diagnose_report(report, 7)
     assert summary["mazes"] == 30 and summary["turns"] > 30
     assert sum(summary[f"share_{c}"] for c in TURN_CLASSES) == pytest.approx(1.0)
     assert 0 < summary["first_try_toward"] < summary["first_try_open"] < 1
     metrics = diagnosis_metrics(report, 7)
     assert metrics["why_first_try_open"] == summary["first_try_open"] and all(k.startswith("why_") for k in metrics)
+
+
+def test_a_report_of_another_maze_size_is_refused():
+    maze = generate_maze(4, 7)
+    with pytest.raises(ValueError, match="maze.size"):
+        diagnose_report({"mazes": [{"seed": 4, "maze_id": maze.identity, "actions": [STOP]}]}, 9)

@@ -100,10 +100,14 @@ def test_diagnose_reads_an_eval_report_and_rejects_bad_usage(tmp_path, capsys):
     maze = generate_maze(11, 7)
     solved = [format_action(Action.move(d)) for d in maze.shortest_path()] + [format_action(Action.stop())]
     report = tmp_path / "eval_step_000004.json"
-    report.write_text(json.dumps({"mazes": [{"seed": 11, "actions": solved}, {"seed": 12, "actions": [None, None]}]}))
+    report.write_text(json.dumps({"mazes": [{"seed": 11, "maze_id": maze.identity, "actions": solved},
+                                            {"seed": 12, "actions": [None, None]}]}))
     assert diagnose_main([TINY, "--eval-json", str(report), "maze.size=7"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert found["solved"] == 1 and found["share_invalid"] == pytest.approx(2 / (len(solved) + 2))
     assert found["first_try_toward"] == 1.0
     assert diagnose_main([TINY]) == 2 and "either MODEL_DIR" in capsys.readouterr().err
     assert diagnose_main([TINY, "--eval-json", str(report), "maze.size=4"]) == 2  # a bad override: one clear error
+    assert diagnose_main([TINY, "--eval-json", str(report), "maze.size=9", "rollout.max_turns=20"]) == 2  # not its size
+    assert "is not the maze the report played" in capsys.readouterr().err
+    assert diagnose_main([TINY, "--eval-json", str(tmp_path / "missing.json")]) == 2
