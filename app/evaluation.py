@@ -29,3 +29,19 @@ def eval_report(trajectories: list[Trajectory], max_turns: int) -> dict:
                    "moves": t.moves, "optimal_moves": t.optimal_moves, "solvable": t.solvable,
                    "invalid_actions": t.invalid_actions, "actions": t.actions} for t in trajectories],
     }
+
+
+def play_held_out(cfg, engine) -> dict:
+    """The held-out mazes played greedily in this process with `engine` (no Ray): `eval_report` plus the
+    `why_*` turn classes (app.diagnosis), as the evaluator actor writes them."""
+    from app.diagnosis import diagnosis_metrics
+    from app.engines.base import Sampling
+    from app.episodes import EpisodeRequest, episode_settings, play_episodes
+    from app.sampler import eval_mazes
+
+    mazes = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
+    played = play_episodes(engine, engine.codec, [EpisodeRequest(m, i) for i, m in enumerate(mazes)],
+                           episode_settings(cfg), Sampling(cfg.rollout.max_new_tokens, 0.0))
+    report = eval_report(played, cfg.rollout.max_turns)
+    report.update(diagnosis_metrics(report, cfg.maze.size))
+    return report

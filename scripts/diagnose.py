@@ -42,13 +42,12 @@ def open_move_answers(engine, codec, mazes, cell_px: int, seed: int) -> dict:
         segment = codec.question(as_image(render(maze, cell, cell_px)), dialogue.OPEN_MOVES_QUESTION)
         prompts.append(Prompt(segment.token_ids, segment.images))
     replies = [codec.decode(g.token_ids) for g in engine.generate(prompts, Sampling(48, 0.0))]
+    moves = [dialogue.format_action(Action.move(d)) for d in DIRECTION_OFFSETS]
     exact, neighbours = 0, 0
     for (maze, cell), reply in zip(cases, replies):
         truth = dialogue.open_moves_reply(maze, cell)
         exact += reply.strip() == truth
-        for direction in DIRECTION_OFFSETS:
-            said = dialogue.format_action(Action.move(direction)) in reply
-            neighbours += said == (dialogue.format_action(Action.move(direction)) in truth)
+        neighbours += sum((move in reply) == (move in truth) for move in moves)
     return {"questions": len(cases), "open_moves_exact": exact / len(cases),
             "open_moves_per_neighbour": neighbours / (4 * len(cases))}
 
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--questions", action="store_true", help="also score greedy answers to the open-move question")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_intermixed_args(argv)
-    if args.eval_json and args.model_dir and "=" in args.model_dir:
+    if args.eval_json and args.model_dir and "=" in args.model_dir:  # no MODEL_DIR: the slot took an override
         args.overrides.insert(0, args.model_dir)
         args.model_dir = None
     if bool(args.eval_json) == bool(args.model_dir):
@@ -86,20 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from app.adapters import read_peft_folder
-    from app.engines.base import Sampling
     from app.engines.hf import HFEngine
-    from app.episodes import EpisodeRequest, episode_settings, play_episodes
-    from app.evaluation import eval_report
+    from app.evaluation import play_held_out
     from app.sampler import eval_mazes
 
     engine = HFEngine(args.model_dir, cfg.lora, dtype=cfg.model.dtype, device=args.device)
     if args.adapter:
         engine.load_lora(read_peft_folder(args.adapter)[0], 1)
-    mazes = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
-    played = play_episodes(engine, engine.codec, [EpisodeRequest(m, i) for i, m in enumerate(mazes)],
-                           episode_settings(cfg), Sampling(cfg.rollout.max_new_tokens, 0.0))
-    result = {"model": args.model_dir, **diagnose_report(eval_report(played, cfg.rollout.max_turns), cfg.maze.size)}
+    result = {"model": args.model_dir, **diagnose_report(play_held_out(cfg, engine), cfg.maze.size)}
     if args.questions:
+        mazes = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
         result.update(open_move_answers(engine, engine.codec, mazes, cfg.maze.cell_px, cfg.eval.seed))
     print(json.dumps(result))
     return 0

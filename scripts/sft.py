@@ -30,19 +30,8 @@ from app.adapters import write_peft_folder  # noqa: E402
 from app.config import ConfigError, load_config  # noqa: E402
 
 
-def held_out_report(cfg, engine, settings) -> dict:
-    """The evaluator's report on the held-out mazes, greedy, with the engine's current weights."""
-    from app.diagnosis import diagnosis_metrics
-    from app.engines.base import Sampling
-    from app.episodes import EpisodeRequest, play_episodes
-    from app.evaluation import eval_report
-    from app.sampler import eval_mazes
-
-    mazes = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
-    played = play_episodes(engine, engine.codec, [EpisodeRequest(m, i) for i, m in enumerate(mazes)], settings,
-                           Sampling(cfg.rollout.max_new_tokens, 0.0))
-    report = eval_report(played, cfg.rollout.max_turns)
-    report.update(diagnosis_metrics(report, cfg.maze.size))
+def summary(report: dict) -> dict:
+    """An eval report without its per-maze records: one log line."""
     return {k: v for k, v in report.items() if k != "mazes"}
 
 
@@ -70,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.episodes import episode_settings
     from app.driver import model_cache
     from app.engines.hf import HFEngine
+    from app.evaluation import play_held_out
     from app.model import ensure_model
     from app.sampler import MazeSampler, eval_mazes
     from app.sft import WarmStartData, export_full_model
@@ -97,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def evaluate(folder: Path | None) -> dict:
         if args.full:  # the folder as written is what a GRPO run would start from
-            return held_out_report(cfg, HFEngine(str(folder), cfg.lora, dtype=cfg.model.dtype, device=args.device),
-                                   settings)
+            return summary(play_held_out(cfg, HFEngine(str(folder), cfg.lora, dtype=cfg.model.dtype,
+                                                       device=args.device)))
         engine.load_lora(trainer.lora_tensors(), engine.lora_version + 1)
-        return held_out_report(cfg, engine, settings)
+        return summary(play_held_out(cfg, engine))
 
     data = WarmStartData(trainer.codec, settings, cfg.sft, seed=cfg.train.seed)
 
