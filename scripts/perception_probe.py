@@ -65,9 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     sampler = MazeSampler(cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, {m.identity for m in held_out})
     rng = np.random.default_rng(cfg.train.seed)
 
+    asked: dict[tuple[str, tuple[int, int]], object] = {}
+
     def question(maze):
+        # The 704 training 7x7 mazes have ~12k (maze, cell) pairs, and a see stage draws several times that:
+        # making a question (render, PNG, tokenise) is host work the GPU step waits for, so each is made once.
         cells = maze.open_cells()
-        return perception_example(maze, cells[rng.integers(len(cells))], trainer.codec, cfg.maze.cell_px)
+        cell = tuple(cells[rng.integers(len(cells))])
+        key = (maze.identity, cell)
+        if key not in asked:
+            asked[key] = perception_example(maze, cell, trainer.codec, cfg.maze.cell_px)
+        return asked[key]
 
     tests = build_items([question(m) for m in held_out], grpo.AdvantageResult([0.0] * len(held_out),
                                                                                [True] * len(held_out), len(held_out), 0))

@@ -48,3 +48,57 @@ def test_learn_see_then_sft_starts_the_warm_start_from_the_model_that_sees(tmp_p
     assert any("eval_why_first_try_open" in e for e in sft)
     choice = (work / "choice.env").read_text()
     assert "START=" in choice and f"model.path={work / 'seeing'}" not in choice  # the start is an SFT checkpoint
+
+
+def _sft_log(folder: Path, evaluations: list[tuple[int, float, float]], overrides: str = "sft.lr=3e-4") -> None:
+    folder.mkdir(parents=True)
+    lines = []
+    for step, rate, seeing in evaluations:
+        (folder / f"step_{step}").mkdir()
+        lines.append(json.dumps({"sft_step": step, "elapsed_s": 10.0 * step, "eval_solve_rate": rate,
+                                 "eval_why_first_try_open": seeing}))
+        lines.append(json.dumps({"sft_step": step + 1, "elapsed_s": 10.0 * step + 5, "sft_nll": 0.1}))  # a train record
+    (folder / "sft_log.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "overrides.txt").write_text(overrides + "\n")
+
+
+def test_choose_start_picks_the_best_seeing_checkpoint_at_most_half_solved(tmp_path, capsys):
+    from scripts.gpu.choose_start import main as choose_main
+
+    _sft_log(tmp_path / "sft_a", [(10, 0.30, 0.70), (20, 0.50, 0.91), (30, 0.62, 0.95)], "sft.lr=3e-4 sft.perception=4")
+    _sft_log(tmp_path / "sft_b", [(10, 0.45, 0.80), (20, 0.48, 0.91)])
+    assert choose_main([str(tmp_path), "--by", "seeing"]) == 0
+    choice = (tmp_path / "choice.env").read_text()
+    # 0.95 sees best but solves 62%: not a start; of the two at 0.91, the higher solve rate wins
+    assert 'START="sft_a/step_20"' in choice and 'OVERRIDES="sft.lr=3e-4 sft.perception=4"' in choice
+    assert "START_RATE=0.5\n" in choice and "START_SEEING=0.91\n" in choice and "SFT_STEP=20\n" in choice
+    assert "sft_b 10:0.45/0.80 20:0.48/0.91" in capsys.readouterr().out  # the table, every evaluation
+    assert choose_main([str(tmp_path), "--by", "rate"]) == 0
+    assert 'START="sft_a/step_20"' in (tmp_path / "choice.env").read_text()
+    assert choose_main([str(tmp_path), "--by", "rate", "--most", "0.46"]) == 0
+    assert 'START="sft_b/step_10"' in (tmp_path / "choice.env").read_text()
+    assert choose_main([str(tmp_path), "--most", "0.2"]) == 1  # nothing qualifies: no start, and it says so
+    assert "no checkpoint with a solve rate <= 0.2" in capsys.readouterr().err
+
+
+def test_learn_sft_then_grpo_runs_both_with_the_control_in_one_call(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    # the tiny model: this is about the stage's plumbing (GRPO's learning has tests/test_learning.py); 6 minutes
+    # bound the stages on a busy machine, the run itself stops after its one GRPO step and 3 control steps
+    done = run_script(["scripts/gpu/learn.sh", "sft+grpo", str(out), str(work), "6"], CONFIG="configs/tiny.yaml",
+                      DEVICE="cpu", EVAL_EVERY="1", SFT_MINUTES="0.1", SIZES="7", SFT_LRS="3e-4", WARMUP="1",
+                      EXTRA="sft.steps=3 eval.num_mazes=2 sft.mazes_per_step=2 sft.variants=1 rollout.max_turns=9 "
+                            "train.picture_cache_gb=0 placement.gpus_per_bundle=0 placement.cpus_per_bundle=0.5 "
+                            "model.dtype=float32 train.mazes_per_step=2 rollout.n_samples_per_prompt=2 train.max_steps=1 "
+                            "eval.eval_interval=1 checkpoint.ckpt_interval=1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "choice.env").is_file() and not list(out.glob("start.tar.*"))  # nothing to carry: GRPO ran here
+    assert "sft stage done; GRPO for" in done.stdout
+    grpo = [json.loads(line) for line in (out / "grpo_metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in grpo if "eval_solve_rate" in m][:2] == [0, 1]  # the start, then after the GRPO step
+    assert any("eval_why_first_try_open" in m for m in grpo)
+    control = [json.loads(line) for line in (out / "control.jsonl").read_text().splitlines()]
+    assert any("eval_solve_rate" in m for m in control)
+    assert "grpo    0:" in done.stdout and "control " in done.stdout
+    # the GRPO stage never re-runs a warm start in app.main, whatever EXTRA says (sft.steps=3 was for the sft stage)
+    assert not any("sft_step" in m for m in grpo)

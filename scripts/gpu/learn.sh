@@ -2,15 +2,21 @@
 # The learning run on one H200 (docs/RESULTS.md), in stages that each fit one 10-minute device call.
 #   bash scripts/gpu/learn.sh see  OUT WORK MINUTES
 #       first teach the model of configs/learn_h200.yaml (random weights) to see walls: scripts/perception_probe.py
-#       on open-move questions alone, alone on the GPU, until the held-out exact-answer probability passes
-#       SEE_ABOVE (0.95) or time runs out; saves WORK/seeing, which the sft stage starts from (INIT=WORK/seeing).
+#       on open-move questions alone (SEE_BATCH=256 a step: on the H200 a step is host-bound, so 4x the 64 of the fourth
+#       attempt costs ~nothing and reached 0.91 in 8.4 minutes, docs/RESULTS.md), alone on the GPU, until the held-out exact-answer
+#       probability passes SEE_ABOVE (0.95) or time runs out; saves WORK/seeing, which the sft stage starts from
+#       (INIT=WORK/seeing). SEE_CACHE_GB (16) keeps every training picture processed on the GPU.
 #   bash scripts/gpu/learn.sh see+sft OUT WORK MINUTES
 #       both in one call: see for at most SEE_MINUTES (default all of MINUTES), then sft from WORK/seeing for the rest.
 #   bash scripts/gpu/learn.sh sft  OUT WORK MINUTES
 #       full-model SFT of the small Qwen3-VL in configs/learn_h200.yaml from random weights (or from INIT),
 #       variants side by side on the one GPU (SIZES="7 9" mazes x SFT_LRS="1e-3 3e-4", x VARIANTS_SPEC), each saving and
-#       evaluating a checkpoint every 25 steps (STOP_ABOVE=0.5: stop a variant once it passes 50%). Picks the start of GRPO: the checkpoint with the highest held-out solve
-#       rate that is still <= 50%; writes WORK/choice.env and packs it into OUT/start.tar.* (to carry on).
+#       evaluating a checkpoint every EVAL_EVERY (25) steps (STOP_ABOVE: stop a variant once it passes that rate).
+#       Picks the start of GRPO among the checkpoints <= 50% (scripts/gpu/choose_start.py): CHOOSE=seeing (default)
+#       the one with the most move attempts into open cells, CHOOSE=rate the highest solve rate; writes
+#       WORK/choice.env and packs it into OUT/start.tar.* (to carry on).
+#   bash scripts/gpu/learn.sh sft+grpo OUT WORK MINUTES
+#       both in one call: sft for SFT_MINUTES, then grpo (below) for the rest of MINUTES.
 #   bash scripts/gpu/learn.sh grpo OUT WORK MINUTES
 #       GRPO (app.main, vLLM rollouts, LoRA r32) from the chosen checkpoint, resuming from its latest
 #       checkpoint when WORK holds one; beside it on the same GPU the control: the same checkpoint's SFT
@@ -19,11 +25,11 @@
 # then needs EXTRA to hold placement.gpus_per_bundle=0 model.dtype=float32 too).
 # Logs and metrics land in OUT (at most 8 files come back from a device call); a table is printed last.
 set -uo pipefail
-STAGE=${1:?sft|grpo}; OUT=${2:?out dir}; WORK=${3:?work dir}; MINUTES=${4:?minutes}
+STAGE=${1:?see|see+sft|sft|sft+grpo|grpo}; OUT=${2:?out dir}; WORK=${3:?work dir}; MINUTES=${4:?minutes}
 mkdir -p "$OUT" "$WORK"
 export RAY_AUTH_MODE=disabled VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
        TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=3
-CFG=configs/learn_h200.yaml
+CFG=${CONFIG:-configs/learn_h200.yaml}  # CONFIG: another config (a CPU smoke test takes configs/tiny.yaml)
 SIZE7=(maze.size=7 rollout.max_turns=25 train.dataset_size=704)
 SIZE9=(maze.size=9 rollout.max_turns=25 train.dataset_size=20000)
 # EXTRA: more key=value overrides for every run; DEVICE and EVAL_EVERY: for a smoke test on a CPU
@@ -33,8 +39,9 @@ SFT_ARGS=(model.dtype=float32 rollout.engine=hf output_dir="$WORK/runs" "${EXTRA
 
 if [ "$STAGE" = see ] || [ "$STAGE" = see+sft ]; then
   t0=$(date +%s)
-  python scripts/perception_probe.py "$CFG" "$OUT/see.jsonl" model.dtype=float32 output_dir="$WORK/runs" "${EXTRA[@]}" \
-    --device "${DEVICE:-cuda}" --batch "${SEE_BATCH:-128}" --lr "${SEE_LR:-3e-4}" --eval-every "${SEE_EVAL_EVERY:-50}" \
+  python scripts/perception_probe.py "$CFG" "$OUT/see.jsonl" model.dtype=float32 output_dir="$WORK/runs" \
+    train.picture_cache_gb="${SEE_CACHE_GB:-16}" "${EXTRA[@]}" \
+    --device "${DEVICE:-cuda}" --batch "${SEE_BATCH:-256}" --lr "${SEE_LR:-3e-4}" --eval-every "${SEE_EVAL_EVERY:-25}" \
     --steps 1000000 --max-minutes "${SEE_MINUTES:-$MINUTES}" --stop-above "${SEE_ABOVE:-0.95}" --save "$WORK/seeing" \
     2>&1 | grep -v "it/s]"
   rc=${PIPESTATUS[0]}
@@ -47,6 +54,12 @@ if [ "$STAGE" = see ] || [ "$STAGE" = see+sft ]; then
   STAGE=sft
 fi
 
+GRPO_AFTER=0
+if [ "$STAGE" = sft+grpo ]; then
+  # SFT for SFT_MINUTES, then GRPO beside its control for the rest of MINUTES
+  GRPO_AFTER=1; TOTAL_MINUTES=$MINUTES; MINUTES=${SFT_MINUTES:?sft+grpo needs SFT_MINUTES}; STAGE=sft
+fi
+t_sft=$(date +%s)
 if [ "$STAGE" = sft ]; then
   # SIZES and SFT_LRS pick the variants; INIT: a model folder to continue from (a start.tar unpacked in WORK);
   # ROUND: a prefix for this round's folders
@@ -75,36 +88,18 @@ if [ "$STAGE" = sft ]; then
     cp "$WORK/sft_$name/sft_log.jsonl" "$OUT/sft_$name.jsonl" 2>/dev/null || tail -30 "$WORK/sft_$name.log"
     echo "${VARIANTS[$name]}" | sed 's/ model.path=[^ ]*//' > "$WORK/sft_$name/overrides.txt"
   done
-  python - "$WORK" <<'PY'
-import json, pathlib, sys
-work = pathlib.Path(sys.argv[1])
-best = None
-print("\n=== SFT: held-out greedy solve rate by step (64 mazes) ===")
-for run in sorted(work.glob("sft_*/sft_log.jsonl")):
-    evals = [e for e in map(json.loads, run.read_text().splitlines()) if "eval_solve_rate" in e]
-    # step:solve rate/share of first move attempts into an open cell (perception; app.diagnosis)
-    print(run.parent.name, " ".join(f"{e['sft_step']}:{e['eval_solve_rate']:.2f}/{e.get('eval_why_first_try_open', 0):.2f}"
-                                    for e in evals))
-    for e in evals:
-        folder = run.parent / f"step_{e['sft_step']}"
-        if e["eval_solve_rate"] <= 0.5 and folder.is_dir() and (best is None or e["eval_solve_rate"] > best[0]):
-            best = (e["eval_solve_rate"], folder, e)
-if best is None:
-    sys.exit("no checkpoint to start GRPO from")
-rate, folder, e = best
-overrides = (folder.parent / "overrides.txt").read_text().strip()
-(work / "choice.env").write_text(f'START="{folder.relative_to(work)}"\nOVERRIDES="{overrides}"\nSFT_STEP={e["sft_step"]}\n'
-                                 f'SFT_ELAPSED_S={e["elapsed_s"]}\nSTART_RATE={rate}\n')
-print(f"chosen: {folder} (held-out solve rate {rate:.3f} after {e['sft_step']} steps, {e['elapsed_s']:.0f} s)")
-PY
-  if [ -f "$WORK/choice.env" ]; then
-    cp "$WORK/choice.env" "$OUT/"
+  python scripts/gpu/choose_start.py "$WORK" --by "${CHOOSE:-seeing}"
+  [ -f "$WORK/choice.env" ] && cp "$WORK/choice.env" "$OUT/"
+  if [ -f "$WORK/choice.env" ] && [ "$GRPO_AFTER" = 0 ]; then  # sft+grpo goes on here: nothing to carry
     # shellcheck disable=SC1091
     . "$WORK/choice.env"
     tar -C "$WORK" -cf "$WORK/start.tar" "$START" choice.env  # unpack into WORK on a fresh machine
     split -b 15M "$WORK/start.tar" "$OUT/start.tar."
   fi
-  exit 0
+  [ "$GRPO_AFTER" = 1 ] || exit 0
+  # sft+grpo: GRPO and its control from the chosen checkpoint, in the minutes the sft stage left
+  MINUTES=$(python3 -c "print(round(max(0.5, $TOTAL_MINUTES - ($(date +%s) - $t_sft) / 60), 2))")
+  echo "sft stage done; GRPO for $MINUTES minutes"
 fi
 
 # ---------------------------------------------------------------- grpo (and the continued-SFT control)
@@ -120,7 +115,7 @@ python scripts/sft.py "$CFG" "$WORK/control_$((n + 1))" "${OVR[@]}" model.path="
   "${SFT_ARGS[@]}" --warmup 10 --max-minutes "$MINUTES" > "$WORK/control_$((n + 1)).log" 2>&1 &
 control=$!
 timeout "$(python3 -c "print(int($MINUTES * 60 + 90))")" python -m app.main "$CFG" run_name=learn "${OVR[@]}" model.path="$WORK/$START" \
-  sft.steps=0 output_dir="$WORK/runs" "${EXTRA[@]}" > "$OUT/grpo_$((n + 1)).log" 2>&1
+  output_dir="$WORK/runs" "${EXTRA[@]}" sft.steps=0 > "$OUT/grpo_$((n + 1)).log" 2>&1
 echo "app.main exit code $?"
 wait $control
 cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl"
@@ -130,9 +125,11 @@ grep -E "^step|Error" "$OUT/grpo_$((n + 1)).log" | tail -25
 python - "$OUT" "$sft_lr" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-print("\n=== held-out greedy solve rate: GRPO (by step) vs continued SFT (by step), both from the same checkpoint ===")
+print("\n=== held-out greedy solve rate / first_try_open: GRPO (by step) vs continued SFT (by step), from the same "
+      "checkpoint ===")
 grpo = [json.loads(l) for l in (out / "grpo_metrics.jsonl").read_text().splitlines()] if (out / "grpo_metrics.jsonl").exists() else []
-print("grpo   ", " ".join(f"{m['step']}:{m['eval_solve_rate']:.2f}" for m in grpo if "eval_solve_rate" in m))
+seeing = lambda m: f"{m['eval_solve_rate']:.2f}/{m.get('eval_why_first_try_open', 0):.2f}"
+print("grpo   ", " ".join(f"{m['step']}:{seeing(m)}" for m in grpo if "eval_solve_rate" in m))
 ctrl = [json.loads(l) for l in (out / "control.jsonl").read_text().splitlines()]
-print("control", " ".join(f"{m['sft_step']}@{m['elapsed_s']:.0f}s:{m['eval_solve_rate']:.2f}" for m in ctrl if "eval_solve_rate" in m))
+print("control", " ".join(f"{m['sft_step']}@{m['elapsed_s']:.0f}s:{seeing(m)}" for m in ctrl if "eval_solve_rate" in m))
 PY
