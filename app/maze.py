@@ -168,6 +168,11 @@ class Maze:
         return hash((self.seed, self.identity))
 
 
+def is_room(cell: Cell) -> bool:
+    """Rooms sit at odd (row, col); every other open cell is a passage carved between two rooms."""
+    return cell[0] % 2 == 1 and cell[1] % 2 == 1
+
+
 def _as_cell(cell: Iterable[int]) -> Cell:
     row, col = (int(value) for value in cell)
     return (row, col)

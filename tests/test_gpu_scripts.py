@@ -33,7 +33,7 @@ def test_probe_sweep_runs_variants_side_by_side_and_tabulates_them(tmp_path):
 def test_learn_see_then_sft_starts_the_warm_start_from_the_model_that_sees(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     done = run_script(["scripts/gpu/learn.sh", "see+sft", str(out), str(work), "0.4"], DEVICE="cpu", SEE_EVAL_EVERY="2",
-                      SEE_BATCH="2", SEE_MINUTES="0.05", EVAL_EVERY="1", SIZES="7", SFT_LRS="3e-4",
+                      SEE_BATCH="2", SEE_MINUTES="0.05", SEE_ROOMS="0.7", EVAL_EVERY="1", SIZES="7", SFT_LRS="3e-4",
                       EXTRA="eval.num_mazes=2 sft.mazes_per_step=2 sft.variants=1 rollout.max_turns=12 "
                             "train.picture_cache_gb=0")
     assert done.returncode == 0, done.stdout + done.stderr

@@ -32,6 +32,7 @@ from app.maze import (
     Maze,
     MazeEpisode,
     generate_maze,
+    is_room,
     moved_feedback,
     render,
     render_image,
@@ -379,3 +380,20 @@ def test_open_cells_are_the_floor_start_and_goal_included() -> None:
     cells = maze.open_cells()
     assert len(cells) == int((~maze.walls).sum()) == 17  # 9 rooms + the 8 passages of a spanning tree
     assert maze.start in cells and maze.goal in cells and all(maze.is_open(c) for c in cells)
+
+
+@pytest.mark.parametrize("size", [7, 9])
+def test_a_passage_is_open_along_its_two_rooms_and_walled_across_them(size: int) -> None:
+    """Why the perception probe scores rooms and passages apart: in a passage the open moves follow from the position
+    alone, in a room they depend on which passages were carved."""
+    for seed in range(20):
+        maze = generate_maze(seed, size)
+        rooms = [cell for cell in maze.open_cells() if is_room(cell)]
+        assert len(rooms) == ((size - 1) // 2) ** 2  # every room is open
+        for row, col in maze.open_cells():
+            if is_room((row, col)):
+                continue
+            along = [(0, 1), (0, -1)] if row % 2 == 1 else [(1, 0), (-1, 0)]
+            across = [(1, 0), (-1, 0)] if row % 2 == 1 else [(0, 1), (0, -1)]
+            assert all(maze.is_open((row + dr, col + dc)) and is_room((row + dr, col + dc)) for dr, dc in along)
+            assert not any(maze.is_open((row + dr, col + dc)) for dr, dc in across)

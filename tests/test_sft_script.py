@@ -72,10 +72,13 @@ def test_perception_probe_trains_on_questions_and_scores_held_out_ones(tmp_path,
     overrides = [f"output_dir={tmp_path}", "eval.num_mazes=4", "maze.size=7", "maze.cell_px=8", "rollout.max_turns=20"]
     saved = tmp_path / "seeing"
     assert probe_main([TINY, str(out), *overrides, "--steps", "3", "--batch", "4", "--eval-every", "2",
-                       "--device", "cpu", "--save", str(saved)]) == 0
+                       "--device", "cpu", "--rooms", "0.75", "--save", str(saved)]) == 0
     log = [json.loads(line) for line in out.read_text().splitlines()]
     assert [e["step"] for e in log] == [2, 3]
     assert all(0.0 <= e["p_exact"] <= 1.0 and 0.0 <= e["answered"] <= 1.0 and e["heldout_nll"] > 0 for e in log)
+    for e in log:  # the score split by where the agent stands; the held-out questions have both kinds or one
+        parts = [p for p in (e["p_exact_room"], e["p_exact_passage"]) if p is not None]
+        assert parts and min(parts) <= e["p_exact"] + 1e-9 and e["p_exact"] <= max(parts) + 1e-9
     assert probe_main([TINY, str(out), "sft.noise=2"]) == 2  # a bad config is one clear error
     # --stop-above ends at the first evaluation past it (any p > 1e-30); flags may sit between the overrides
     again = tmp_path / "again.jsonl"
@@ -90,6 +93,27 @@ def test_perception_probe_trains_on_questions_and_scores_held_out_ones(tmp_path,
     played = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert played["mazes"] == 4 and played["questions"] == 4 and 0 <= played["open_moves_per_neighbour"] <= 1
     assert played["turns"] <= 36 and sum(v for k, v in played.items() if k.startswith("share_")) == pytest.approx(1)
+
+
+def test_the_probe_asks_in_rooms_or_passages_as_told(tmp_path, capsys):
+    import numpy as np
+
+    from app.maze import generate_maze, is_room
+    from scripts.perception_probe import cell_to_ask, main as probe_main
+
+    mazes = [generate_maze(seed, 7) for seed in range(50)]
+    rng = np.random.default_rng(0)
+    assert all(is_room(cell_to_ask(m, rng, 1.0)) for m in mazes)
+    assert not any(is_room(cell_to_ask(m, rng, 0.0)) for m in mazes)
+    half = [is_room(cell_to_ask(m, rng, 0.5)) for m in mazes * 8]
+    assert 0.4 < np.mean(half) < 0.6
+    # without --rooms every open cell is alike: the draws of the runs before the option existed
+    plain, before = np.random.default_rng(3), np.random.default_rng(3)
+    for m in mazes:
+        cells = m.open_cells()
+        assert cell_to_ask(m, plain) == tuple(cells[before.integers(len(cells))])
+    assert probe_main([TINY, str(tmp_path / "p.jsonl"), "--rooms", "1.5"]) == 2
+    assert "--rooms must be a share between 0 and 1" in capsys.readouterr().err
 
 
 def test_diagnose_reads_an_eval_report_and_rejects_bad_usage(tmp_path, capsys):

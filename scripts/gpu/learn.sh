@@ -5,7 +5,8 @@
 #       on open-move questions alone (SEE_BATCH=256 a step: on the H200 a step is host-bound, so 4x the 64 of the fourth
 #       attempt costs ~nothing and reached 0.91 in 8.4 minutes, docs/RESULTS.md), alone on the GPU, until the held-out exact-answer
 #       probability passes SEE_ABOVE (0.95) or time runs out; saves WORK/seeing, which the sft stage starts from
-#       (INIT=WORK/seeing). SEE_CACHE_GB (16) keeps every training picture processed on the GPU.
+#       (INIT=WORK/seeing). SEE_CACHE_GB (16) keeps every training picture processed on the GPU. SEE_ROOMS: the share
+#       of questions asked in rooms, where the answer takes seeing walls (perception_probe.py --rooms; default: any cell).
 #   bash scripts/gpu/learn.sh see+sft OUT WORK MINUTES
 #       both in one call: see for at most SEE_MINUTES (default all of MINUTES), then sft from WORK/seeing for the rest.
 #   bash scripts/gpu/learn.sh sft  OUT WORK MINUTES
@@ -43,6 +44,7 @@ if [ "$STAGE" = see ] || [ "$STAGE" = see+sft ]; then
     train.picture_cache_gb="${SEE_CACHE_GB:-16}" "${EXTRA[@]}" \
     --device "${DEVICE:-cuda}" --batch "${SEE_BATCH:-256}" --lr "${SEE_LR:-3e-4}" --eval-every "${SEE_EVAL_EVERY:-25}" \
     --steps 1000000 --max-minutes "${SEE_MINUTES:-$MINUTES}" --stop-above "${SEE_ABOVE:-0.95}" --save "$WORK/seeing" \
+    ${SEE_ROOMS:+--rooms "$SEE_ROOMS"} \
     2>&1 | grep -v "it/s]"
   rc=${PIPESTATUS[0]}
   [ "$STAGE" = see ] && exit "$rc"
