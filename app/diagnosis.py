@@ -11,6 +11,10 @@ turn is one of:
     stop_goal     stop on the goal (solved)
     stop_off_goal stop anywhere else
 
+Move attempts are also counted by where the agent stood: in a passage between two rooms the open moves follow from
+the position alone, in a room they take seeing which passages are carved (`first_try_open_room`), so a policy can
+know positions and still not see walls.
+
 It works on what the evaluator already writes (per maze: seed and parsed actions, `app.evaluation`), so it
 runs on any past eval report as well as on a fresh greedy play (`scripts/diagnose.py`).
 """
@@ -21,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from app.dialogue import parse_action
-from app.maze import DIRECTION_OFFSETS, Maze
+from app.maze import DIRECTION_OFFSETS, Maze, is_room
 
 TURN_CLASSES = ("toward", "away", "bump", "repeat_bump", "invalid", "stop_goal", "stop_off_goal")
 
@@ -29,6 +33,7 @@ TURN_CLASSES = ("toward", "away", "bump", "repeat_bump", "invalid", "stop_goal",
 @dataclass(frozen=True)
 class EpisodeDiagnosis:
     turns: tuple[str, ...]   # one class per turn (TURN_CLASSES)
+    in_room: tuple[bool, ...]  # per turn: the agent stood in a room (not a passage) when it acted
     solved: bool
     looped: bool             # ended with at least 3 turns bumping the same wall in a row
 
@@ -51,9 +56,10 @@ def distances_to_goal(maze: Maze) -> dict[tuple[int, int], int]:
 def diagnose_episode(maze: Maze, actions: list[str | None]) -> EpisodeDiagnosis:
     """Replays `actions` (canonical action texts, None for a reply that did not parse) from the maze's start."""
     dist = distances_to_goal(maze)
-    position, previous, classes, repeats = maze.start, None, [], 0
+    position, previous, classes, rooms, repeats = maze.start, None, [], [], 0
     solved = False
     for text in actions:
+        rooms.append(is_room(position))
         action = parse_action(text) if text is not None else None
         if action is None:
             cls = "invalid"
@@ -75,7 +81,7 @@ def diagnose_episode(maze: Maze, actions: list[str | None]) -> EpisodeDiagnosis:
         classes.append(cls)
         if cls.startswith("stop"):
             break
-    return EpisodeDiagnosis(tuple(classes), solved, looped=repeats >= 2)
+    return EpisodeDiagnosis(tuple(classes), tuple(rooms), solved, looped=repeats >= 2)
 
 
 def diagnose_report(report: dict, maze_size: int) -> dict:
@@ -83,6 +89,7 @@ def diagnose_report(report: dict, maze_size: int) -> dict:
     from app.maze import generate_maze
 
     counts: Counter[str] = Counter()
+    in_rooms: Counter[str] = Counter()  # the same classes, counting only turns taken in a room
     episodes = []
     for played in report["mazes"]:
         maze = generate_maze(played["seed"], maze_size)
@@ -92,8 +99,10 @@ def diagnose_report(report: dict, maze_size: int) -> dict:
         episodes.append(diagnose_episode(maze, played["actions"]))
     for episode in episodes:
         counts.update(episode.turns)
+        in_rooms.update(c for c, room in zip(episode.turns, episode.in_room) if room)
     turns = max(sum(counts.values()), 1)
     moves_seen = counts["toward"] + counts["away"] + counts["bump"]
+    room_moves = in_rooms["toward"] + in_rooms["away"] + in_rooms["bump"]
     unsolved = [e for e in episodes if not e.solved]
     return {
         "mazes": len(episodes),
@@ -103,6 +112,7 @@ def diagnose_report(report: dict, maze_size: int) -> dict:
         # Of the first-time decisions to move, how often the chosen way was open / was the right way:
         "first_try_open": (counts["toward"] + counts["away"]) / max(moves_seen, 1),
         "first_try_toward": counts["toward"] / max(moves_seen, 1),
+        "first_try_open_room": (in_rooms["toward"] + in_rooms["away"]) / max(room_moves, 1),
         "unsolved_looping": sum(e.looped for e in unsolved),
         "unsolved": len(unsolved),
     }
@@ -111,5 +121,6 @@ def diagnose_report(report: dict, maze_size: int) -> dict:
 def diagnosis_metrics(report: dict, maze_size: int) -> dict:
     """The evaluator's extra metrics: the turn-class shares and the two rates that say perception or planning."""
     found = diagnose_report(report, maze_size)
-    keep = [f"share_{c}" for c in TURN_CLASSES] + ["first_try_open", "first_try_toward", "unsolved_looping"]
+    keep = [f"share_{c}" for c in TURN_CLASSES] + ["first_try_open", "first_try_toward", "first_try_open_room",
+                                                   "unsolved_looping"]
     return {f"why_{k}": found[k] for k in keep}

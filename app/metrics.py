@@ -43,6 +43,7 @@ EXPORTED = {
     "eval_invalid_action_rate": "share of held-out turns whose action was invalid",
     "eval_why_first_try_open": "share of held-out move attempts (not repeats) into an open cell: perception",
     "eval_why_first_try_toward": "share of held-out move attempts (not repeats) along a shortest path",
+    "eval_why_first_try_open_room": "the same as first_try_open, made from rooms only: seeing walls, not positions",
     "train_logprob_mismatch_max": "max |trainer - rollout| logprob on sampled tokens",
     "time_rollout_s": "rollout phase duration",
     "time_train_s": "train phase duration",

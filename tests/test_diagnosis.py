@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from app.diagnosis import TURN_CLASSES, diagnose_episode, diagnose_report, diagnosis_metrics, distances_to_goal
-from app.dialogue import format_action
-from app.maze import DIRECTION_OFFSETS, Action, MazeEpisode, generate_maze
+from app.dialogue import format_action, parse_action
+from app.maze import DIRECTION_OFFSETS, Action, MazeEpisode, generate_maze, is_room
 
 
 def move(direction: int) -> str:
@@ -67,7 +67,7 @@ def test_an_open_move_off_the_shortest_path_is_away():
 
 def test_classes_agree_with_the_game_on_random_play():
     rng = np.random.default_rng(0)
-    report = {"mazes": []}
+    report, room_tries, room_moves = {"mazes": []}, [], []
     for seed in range(30):
         maze = generate_maze(seed, 7)
         episode, actions = MazeEpisode(maze, 25), []
@@ -78,7 +78,15 @@ def test_classes_agree_with_the_game_on_random_play():
             actions.append(None if action is None else format_action(action))
             episode.step(action)
         found = diagnose_episode(maze, actions)
-        assert len(found.turns) == episode.turns
+        assert len(found.turns) == len(found.in_room) == episode.turns
+        replay, rooms = MazeEpisode(maze, 25), []  # where the game had the agent when it acted
+        for text in actions:
+            rooms.append(is_room(replay.position))
+            replay.step(parse_action(text) if text is not None else None)
+        assert found.in_room == tuple(rooms)
+        room_attempts = [c for c, room in zip(found.turns, found.in_room) if room and c in ("toward", "away", "bump")]
+        room_tries.append(sum(c != "bump" for c in room_attempts))
+        room_moves.append(len(room_attempts))
         assert sum(c in ("bump", "repeat_bump", "invalid") for c in found.turns) == episode.invalid_actions
         assert sum(c in ("toward", "away") for c in found.turns) == episode.moves
         assert found.solved == (episode.outcome == "solved")
@@ -87,8 +95,29 @@ def test_classes_agree_with_the_game_on_random_play():
     assert summary["mazes"] == 30 and summary["turns"] > 30
     assert sum(summary[f"share_{c}"] for c in TURN_CLASSES) == pytest.approx(1.0)
     assert 0 < summary["first_try_toward"] < summary["first_try_open"] < 1
+    assert summary["first_try_open_room"] == pytest.approx(sum(room_tries) / sum(room_moves))
     metrics = diagnosis_metrics(report, 7)
     assert metrics["why_first_try_open"] == summary["first_try_open"] and all(k.startswith("why_") for k in metrics)
+    assert metrics["why_first_try_open_room"] == summary["first_try_open_room"]
+
+
+def test_a_policy_that_knows_passages_but_not_rooms_sees_no_walls_in_rooms():
+    """From a passage it moves on along it; in a room it bumps first: open attempts are high overall, nil in rooms."""
+    maze = generate_maze(6, 7)
+    dist = distances_to_goal(maze)
+    position, actions = maze.start, []
+    while position != maze.goal:
+        if is_room(position):
+            actions.append(move(walled(maze, position)[0]))  # every room on this path has a wall
+        onward = next(d for d, (dr, dc) in DIRECTION_OFFSETS.items()
+                      if maze.is_open((position[0] + dr, position[1] + dc))
+                      and dist[(position[0] + dr, position[1] + dc)] < dist[position])
+        actions.append(move(onward))
+        position = (position[0] + DIRECTION_OFFSETS[onward][0], position[1] + DIRECTION_OFFSETS[onward][1])
+    summary = diagnose_report({"mazes": [{"seed": 6, "maze_id": maze.identity, "actions": actions + [STOP]}]}, 7)
+    rooms_visited = maze.shortest_path_length // 2  # the path alternates room, passage, room, ...
+    assert summary["first_try_open_room"] == pytest.approx(rooms_visited / (2 * rooms_visited))
+    assert summary["first_try_open"] > summary["first_try_open_room"] and summary["solved"] == 1
 
 
 def test_a_report_of_another_maze_size_is_refused():
