@@ -119,7 +119,8 @@ def diagnose_report(report: dict, maze_size: int) -> dict:
 
 
 def diagnosis_metrics(report: dict, maze_size: int) -> dict:
-    """The evaluator's extra metrics: the turn-class shares and the two rates that say perception or planning."""
+    """The evaluator's extra metrics: the turn-class shares and the rates that say perception (open, open from rooms)
+    or planning (toward)."""
     found = diagnose_report(report, maze_size)
     keep = [f"share_{c}" for c in TURN_CLASSES] + ["first_try_open", "first_try_toward", "first_try_open_room",
                                                    "unsolved_looping"]

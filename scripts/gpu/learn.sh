@@ -130,8 +130,8 @@ out = pathlib.Path(sys.argv[1])
 print("\n=== held-out greedy solve rate / first_try_open: GRPO (by step) vs continued SFT (by step), from the same "
       "checkpoint ===")
 grpo = [json.loads(l) for l in (out / "grpo_metrics.jsonl").read_text().splitlines()] if (out / "grpo_metrics.jsonl").exists() else []
-seeing = lambda m: f"{m['eval_solve_rate']:.2f}/{m.get('eval_why_first_try_open', 0):.2f}"
-print("grpo   ", " ".join(f"{m['step']}:{seeing(m)}" for m in grpo if "eval_solve_rate" in m))
+rate_and_seeing = lambda m: f"{m['eval_solve_rate']:.2f}/{m.get('eval_why_first_try_open', 0):.2f}"
+print("grpo   ", " ".join(f"{m['step']}:{rate_and_seeing(m)}" for m in grpo if "eval_solve_rate" in m))
 ctrl = [json.loads(l) for l in (out / "control.jsonl").read_text().splitlines()]
-print("control", " ".join(f"{m['sft_step']}@{m['elapsed_s']:.0f}s:{seeing(m)}" for m in ctrl if "eval_solve_rate" in m))
+print("control", " ".join(f"{m['sft_step']}@{m['elapsed_s']:.0f}s:{rate_and_seeing(m)}" for m in ctrl if "eval_solve_rate" in m))
 PY
