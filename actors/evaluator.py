@@ -1,4 +1,4 @@
-"""EvaluatorActor: the fixed held-out mazes, played greedily through the rollout actors."""
+"""EvaluatorActor: the fixed held-out mazes, played greedily (and, with eval.samples, sampled) through the rollout actors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import ray
 from app.config import Config
 from app.diagnosis import diagnosis_metrics
 from app.engines import Sampling
-from app.evaluation import eval_report
+from app.evaluation import eval_report, sampled_report, sampled_sampling
 from app.sampler import eval_mazes
 
 
@@ -25,7 +25,8 @@ class EvaluatorActor:
         return [m.identity for m in self.mazes]
 
     def evaluate(self, step: int) -> dict:
-        """Plays every held-out maze once, greedily; writes per-maze outcomes; returns the summary."""
+        """Plays every held-out maze once, greedily (and eval.samples times sampled); writes per-maze outcomes of
+        the greedy play; returns the summary."""
         greedy = Sampling(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
         shares = [[] for _ in self.rollouts]
         for i, maze in enumerate(self.mazes):
@@ -34,6 +35,11 @@ class EvaluatorActor:
         trajectories = sorted((t for batch in ray.get(refs) for t in batch), key=lambda t: t.group)
         report = eval_report(trajectories, self.cfg.rollout.max_turns)
         report.update(diagnosis_metrics(report, self.cfg.maze.size), step=step)
+        if self.cfg.eval.samples:
+            refs = [actor.play.remote(share, self.cfg.eval.samples, sampled_sampling(self.cfg))[1]
+                    for actor, share in zip(self.rollouts, shares) if share]
+            sampled = [t for batch in ray.get(refs) for t in batch]
+            report.update(sampled_report(sampled, self.cfg.eval.samples, self.cfg.rollout.temperature))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"eval_step_{step:06d}.json"
         tmp = path.with_suffix(".json.tmp")

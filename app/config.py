@@ -185,6 +185,8 @@ class EvalConfig:
     num_mazes: int = knob(64, "held-out mazes, played greedily once each", ge=1)
     seed: int = knob(1_000_000, "first seed of the held-out set (seeds seed..seed+num_mazes-1)", ge=0)
     at_start: bool = knob(True, "evaluate the starting policy before step 1")
+    samples: int = knob(0, "also play each held-out maze this many times at rollout.temperature (sampled_solve_rate, "
+                           "sampled_pass_at_k); 0 greedy only", ge=0)
 
 
 @dataclass

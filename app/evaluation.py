@@ -31,9 +31,32 @@ def eval_report(trajectories: list[Trajectory], max_turns: int) -> dict:
     }
 
 
+def sampled_report(trajectories: list[Trajectory], samples: int, temperature: float) -> dict:
+    """The held-out mazes played `samples` times each at the rollout temperature, summarised.
+
+    Greedy play shows the policy's mode, and a mode that loops hides what the policy GRPO trains (the sampled
+    one) has learned: sampled_solve_rate is that policy's true solve rate, sampled_pass_at_k the share of mazes
+    solved by at least one of the samples.
+    """
+    by_maze: dict[int, list[bool]] = {}
+    for t in trajectories:
+        by_maze.setdefault(t.group, []).append(t.solved)
+    return {"sampled_samples": samples, "sampled_temperature": temperature,
+            "sampled_solve_rate": sum(t.solved for t in trajectories) / max(len(trajectories), 1),
+            "sampled_pass_at_k": sum(any(s) for s in by_maze.values()) / max(len(by_maze), 1)}
+
+
+def sampled_sampling(cfg):
+    """The sampled evaluation's sampling: the rollouts' temperature and top_p, seeded by the held-out set so
+    every evaluation of a run draws alike."""
+    from app.engines.base import Sampling
+
+    return Sampling(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, seed=cfg.eval.seed + 1)
+
+
 def play_held_out(cfg, engine) -> dict:
     """The held-out mazes played greedily in this process with `engine` (no Ray): `eval_report` plus the
-    `why_*` turn classes (app.diagnosis), as the evaluator actor writes them."""
+    `why_*` turn classes (app.diagnosis), and with eval.samples the sampled play, as the evaluator actor writes them."""
     from app.diagnosis import diagnosis_metrics
     from app.engines.base import Sampling
     from app.episodes import EpisodeRequest, episode_settings, play_episodes
@@ -44,4 +67,8 @@ def play_held_out(cfg, engine) -> dict:
                            episode_settings(cfg), Sampling(cfg.rollout.max_new_tokens, 0.0))
     report = eval_report(played, cfg.rollout.max_turns)
     report.update(diagnosis_metrics(report, cfg.maze.size))
+    if cfg.eval.samples:
+        requests = [EpisodeRequest(m, i, s) for i, m in enumerate(mazes) for s in range(cfg.eval.samples)]
+        sampled = play_episodes(engine, engine.codec, requests, episode_settings(cfg), sampled_sampling(cfg))
+        report.update(sampled_report(sampled, cfg.eval.samples, cfg.rollout.temperature))
     return report

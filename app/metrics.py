@@ -26,6 +26,8 @@ log = logging.getLogger("mazerl.metrics")
 EXPORTED = {
     "eval_solve_rate": "held-out solve rate (stop on goal within max_turns), greedy",
     "eval_solvable_bound": "share of held-out mazes solvable within max_turns",
+    "eval_sampled_solve_rate": "held-out solve rate at the rollout temperature (eval.samples plays a maze)",
+    "eval_sampled_pass_at_k": "share of held-out mazes solved by at least one of eval.samples sampled plays",
     "rollout_solve_rate": "solve rate of the step's training episodes",
     "rollout_reward_mean": "mean reward of the step's training episodes",
     "train_loss": "GRPO loss",

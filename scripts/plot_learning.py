@@ -5,7 +5,8 @@
 GRPO_METRICS is app.main's metrics log (a resumed run repeats steps after its checkpoint: the last record of a
 step wins); its time axis is the sum of the kept steps' time_step_s. SFT_CONTROL is scripts/sft.py's log of the
 continued-SFT control, one or more rounds appended (sft_step restarts at each round; elapsed_s adds up).
---sft adds the warm-start SFT runs that led to the GRPO start, on the same axes shifted left of zero.
+--sft adds the warm-start SFT runs that led to the GRPO start, on the same axes shifted left of zero; --start-step
+cuts the last of them at the checkpoint GRPO started from (choice.env's SFT_STEP), so that zero is that checkpoint.
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ def grpo_curve(path: Path) -> list[tuple[float, float]]:
     return curve
 
 
-def sft_curve(path: Path) -> list[tuple[float, float]]:
+def sft_curve(path: Path, until_step: int | None = None) -> list[tuple[float, float]]:
+    """(seconds, solve rate) per evaluation; with until_step, none past that step (a warm start's log is one round)."""
     offset, last_elapsed, last_step, curve = 0.0, 0.0, 0, []
     for line in path.read_text().splitlines():
         record = json.loads(line)
         if record["sft_step"] <= last_step:  # a new round continues the clock
             offset += last_elapsed
         last_step, last_elapsed = record["sft_step"], record["elapsed_s"]
+        if until_step is not None and record["sft_step"] > until_step:
+            continue
         if "eval_solve_rate" in record:
             curve.append((offset + record["elapsed_s"], record["eval_solve_rate"]))
     return curve
@@ -50,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("control", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--sft", action="append", default=[], help="NAME=PATH of a warm-start SFT log, before zero")
+    ap.add_argument("--start-step", type=int, help="the GRPO start's step in the last --sft log: its curve ends there, "
+                    "at zero (by default it ends with the log)")
     ap.add_argument("--target", type=float, default=0.95, help="the target line (share of solvable mazes)")
     args = ap.parse_args(argv)
     fig = Figure(figsize=(9, 4.8))
@@ -59,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ax.plot(*zip(*grpo), "o-", label="GRPO (LoRA r32, 16 mazes x 8 samples a step)")
     ax.plot(*zip(*control), ".-", alpha=0.7, label="control: the same checkpoint's SFT continued")
     shift = 0.0
-    for spec in reversed(args.sft):
+    for i, spec in enumerate(reversed(args.sft)):
         name, path = spec.split("=", 1)
-        curve = sft_curve(Path(path))
+        curve = sft_curve(Path(path), args.start_step if i == 0 else None)
         shift += curve[-1][0]
         ax.plot([t - shift for t, _ in curve], [r for _, r in curve], ":", label=f"warm-start SFT: {name}")
     ax.axhline(args.target, color="grey", lw=0.8, ls="--", label=f"target {args.target:.0%} of solvable")

@@ -79,6 +79,10 @@ def test_choose_start_picks_the_best_seeing_checkpoint_at_most_half_solved(tmp_p
     assert 'START="sft_b/step_10"' in (tmp_path / "choice.env").read_text()
     assert choose_main([str(tmp_path), "--most", "0.2"]) == 1  # nothing qualifies: no start, and it says so
     assert "no checkpoint with a solve rate <= 0.2" in capsys.readouterr().err
+    # by rate among the checkpoints that see at least 0.91: sft_a step 20 (0.50) over sft_b step 20 (0.48); none at 0.92
+    assert choose_main([str(tmp_path), "--by", "rate", "--seeing-at-least", "0.91"]) == 0
+    assert 'START="sft_a/step_20"' in (tmp_path / "choice.env").read_text()
+    assert choose_main([str(tmp_path), "--by", "rate", "--seeing-at-least", "0.92"]) == 1
 
 
 def test_learn_sft_then_grpo_runs_both_with_the_control_in_one_call(tmp_path):
@@ -102,3 +106,37 @@ def test_learn_sft_then_grpo_runs_both_with_the_control_in_one_call(tmp_path):
     assert "grpo    0:" in done.stdout and "control " in done.stdout
     # the GRPO stage never re-runs a warm start in app.main, whatever EXTRA says (sft.steps=3 was for the sft stage)
     assert not any("sft_step" in m for m in grpo)
+
+
+def test_learn_see_variants_side_by_side_the_first_to_pass_wins_and_the_rest_stop(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    # SEE_ABOVE -1: any evaluation passes. "quick" evaluates after its first step and stops there; "slow" would run
+    # for its minute without evaluating, so it is stopped unsaved when quick passes.
+    done = run_script(["scripts/gpu/learn.sh", "see", str(out), str(work), "1"], CONFIG="configs/tiny.yaml",
+                      DEVICE="cpu", SEE_BATCH="2", SEE_ABOVE="-1", SEE_CACHE_GB="0",
+                      SEE_VARIANTS="quick:--eval-every=1,eval.num_mazes=2 slow:--eval-every=100000,--rooms=0.8")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "see variant quick passed -1" in done.stdout
+    assert (work / "seeing").resolve() == (work / "seeing_quick").resolve()
+    assert (work / "seeing" / "model.safetensors").is_file() and not (work / "seeing_slow").exists()
+    quick = [json.loads(line) for line in (out / "see_quick.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in quick] == [1]
+
+
+def test_choose_seeing_takes_the_best_saved_variant(tmp_path, capsys):
+    from scripts.gpu.choose_seeing import main as choose_main
+
+    def variant(name: str, p_exacts: list[float], saved: bool) -> Path:
+        log = tmp_path / f"see_{name}.jsonl"
+        log.write_text("".join(json.dumps({"step": 25 * (i + 1), "p_exact": p}) + "\n" for i, p in enumerate(p_exacts)))
+        if saved:
+            (tmp_path / f"seeing_{name}").mkdir()
+            (tmp_path / f"seeing_{name}" / "config.json").write_text("{}")
+        return log
+
+    a, b, c = variant("a", [0.2, 0.9], True), variant("b", [0.5, 0.8], True), variant("c", [0.99], False)
+    assert choose_main(["--passed", "0.85", str(a)]) == 0 and choose_main(["--passed", "0.85", str(b)]) == 1
+    assert choose_main([str(tmp_path), str(a), str(b), str(c)]) == 0  # c scores best but saved nothing
+    assert capsys.readouterr().out.strip() == "a"
+    assert choose_main([str(tmp_path), str(c)]) == 1
+    assert choose_main(["--passed", "0.1", str(tmp_path / "see_none.jsonl")]) == 1  # no log yet: not passed

@@ -26,7 +26,7 @@ def run_main(tmp_path, *overrides):
 @pytest.fixture(scope="module")
 def tiny_run(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    assert run_main(out) == 0
+    assert run_main(out, "eval.samples=2") == 0
     return out / "tiny"
 
 
@@ -43,6 +43,10 @@ def test_tiny_job_trains_and_reports_every_step(tiny_run, capfd):
         assert m["rollout_episodes"] == 4
     assert "eval_solve_rate" in log[0] and "eval_solve_rate" in steps[-1]
     assert steps[-1]["eval_solvable"] >= 1
+    # eval.samples=2: the sampled play beside the greedy one, each maze twice at the rollout temperature
+    for m in (log[0], steps[-1]):
+        assert m["eval_sampled_samples"] == 2 and m["eval_sampled_temperature"] == 1.0
+        assert 0.0 <= m["eval_sampled_solve_rate"] <= m["eval_sampled_pass_at_k"] <= 1.0
 
 
 def test_eval_results_and_exports_are_written(tiny_run):

@@ -17,12 +17,14 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 def test_sft_writes_an_adapter_the_grpo_job_starts_from(tmp_path, tiny_model_dir, capsys):
     out = tmp_path / "sft"
-    overrides = [f"output_dir={tmp_path}", "sft.steps=3", "sft.lr=3e-3", "sft.mazes_per_step=4", "eval.num_mazes=2"]
+    overrides = [f"output_dir={tmp_path}", "sft.steps=3", "sft.lr=3e-3", "sft.mazes_per_step=4", "eval.num_mazes=2",
+                 "eval.samples=3"]
     assert sft_main([TINY, str(out), *overrides, "--save-every", "2"]) == 0
     log = [json.loads(line) for line in (out / "sft_log.jsonl").read_text().splitlines()]
     assert [e["sft_step"] for e in log] == [1, 2, 3]
     assert log[-1]["sft_nll"] < log[0]["sft_nll"], "demonstration NLL should fall over the warm start"
     assert log[-1]["eval_num_mazes"] == 2 and 0.0 <= log[-1]["eval_solve_rate"] <= 1.0
+    assert log[-1]["eval_sampled_samples"] == 3 and 0.0 <= log[-1]["eval_sampled_solve_rate"] <= 1.0  # the control's too
     assert (out / "step_2" / "adapter_model.safetensors").exists()
     cfg = load_config(TINY, [f"model.adapter_init={out / 'final'}"])  # validates that the folder exists
     tensors, _ = adapters.read_peft_folder(out / "final")

@@ -7,6 +7,8 @@
 #       probability passes SEE_ABOVE (0.95) or time runs out; saves WORK/seeing, which the sft stage starts from
 #       (INIT=WORK/seeing). SEE_CACHE_GB (16) keeps every training picture processed on the GPU. SEE_ROOMS: the share
 #       of questions asked in rooms, where the answer takes seeing walls (perception_probe.py --rooms; default: any cell).
+#       SEE_VARIANTS="name:--flag=value,key=value ...": several see stages side by side, each with its own flags after
+#       the common ones (e.g. a:--batch=1024,train.micro_batch=1024); the first past SEE_ABOVE wins and the others stop.
 #   bash scripts/gpu/learn.sh see+sft OUT WORK MINUTES
 #       both in one call: see for at most SEE_MINUTES (default all of MINUTES), then sft from WORK/seeing for the rest.
 #   bash scripts/gpu/learn.sh sft  OUT WORK MINUTES
@@ -14,7 +16,8 @@
 #       variants side by side on the one GPU (SIZES="7 9" mazes x SFT_LRS="1e-3 3e-4", x VARIANTS_SPEC), each saving and
 #       evaluating a checkpoint every EVAL_EVERY (25) steps (STOP_ABOVE: stop a variant once it passes that rate).
 #       Picks the start of GRPO among the checkpoints <= 50% (scripts/gpu/choose_start.py): CHOOSE=seeing (default)
-#       the one with the most move attempts into open cells, CHOOSE=rate the highest solve rate; writes
+#       the one with the most move attempts into open cells, CHOOSE=rate the highest solve rate (SEEING_AT_LEAST: of
+#       the checkpoints with at least that share of move attempts into open cells); writes
 #       WORK/choice.env and packs it into OUT/start.tar.* (to carry on).
 #   bash scripts/gpu/learn.sh sft+grpo OUT WORK MINUTES
 #       both in one call: sft for SFT_MINUTES, then grpo (below) for the rest of MINUTES.
@@ -40,13 +43,42 @@ SFT_ARGS=(model.dtype=float32 rollout.engine=hf output_dir="$WORK/runs" "${EXTRA
 
 if [ "$STAGE" = see ] || [ "$STAGE" = see+sft ]; then
   t0=$(date +%s)
-  python scripts/perception_probe.py "$CFG" "$OUT/see.jsonl" model.dtype=float32 output_dir="$WORK/runs" \
-    train.picture_cache_gb="${SEE_CACHE_GB:-16}" "${EXTRA[@]}" \
-    --device "${DEVICE:-cuda}" --batch "${SEE_BATCH:-256}" --lr "${SEE_LR:-3e-4}" --eval-every "${SEE_EVAL_EVERY:-25}" \
-    --steps 1000000 --max-minutes "${SEE_MINUTES:-$MINUTES}" --stop-above "${SEE_ABOVE:-0.95}" --save "$WORK/seeing" \
-    ${SEE_ROOMS:+--rooms "$SEE_ROOMS"} \
-    2>&1 | grep -v "it/s]"
-  rc=${PIPESTATUS[0]}
+  SEE_COMMON=(model.dtype=float32 output_dir="$WORK/runs" train.picture_cache_gb="${SEE_CACHE_GB:-16}" "${EXTRA[@]}"
+              --device "${DEVICE:-cuda}" --batch "${SEE_BATCH:-256}" --lr "${SEE_LR:-3e-4}"
+              --eval-every "${SEE_EVAL_EVERY:-25}" --steps 1000000 --max-minutes "${SEE_MINUTES:-$MINUTES}"
+              --stop-above "${SEE_ABOVE:-0.95}" ${SEE_ROOMS:+--rooms "$SEE_ROOMS"})
+  if [ -z "${SEE_VARIANTS:-}" ]; then
+    python scripts/perception_probe.py "$CFG" "$OUT/see.jsonl" "${SEE_COMMON[@]}" --save "$WORK/seeing" 2>&1 | grep -v "it/s]"
+    rc=${PIPESTATUS[0]}
+  else
+    # SEE_VARIANTS="name:--flag=value,key=value name2:...": see stages side by side (a step is host-bound, so the GPU
+    # has room), each with its own flags or overrides after the common ones; the first to pass SEE_ABOVE wins and
+    # the rest stop; when none does, the highest last p_exact. WORK/seeing links to the winner's model.
+    declare -A SEE_PIDS=()
+    for spec in $SEE_VARIANTS; do
+      name=${spec%%:*}; flags=${spec#*:}
+      # shellcheck disable=SC2086
+      python scripts/perception_probe.py "$CFG" "$OUT/see_$name.jsonl" "${SEE_COMMON[@]}" ${flags//,/ } \
+        --save "$WORK/seeing_$name" > "$WORK/see_$name.log" 2>&1 &
+      SEE_PIDS[$name]=$!
+    done
+    while [ "${#SEE_PIDS[@]}" -gt 0 ]; do
+      wait -n
+      for name in "${!SEE_PIDS[@]}"; do
+        kill -0 "${SEE_PIDS[$name]}" 2>/dev/null && continue
+        unset "SEE_PIDS[$name]"
+        tail -2 "$WORK/see_$name.log"
+        if python3 scripts/gpu/choose_seeing.py --passed "${SEE_ABOVE:-0.95}" "$OUT/see_$name.jsonl"; then
+          echo "see variant $name passed ${SEE_ABOVE:-0.95}: the others stop"
+          for other in "${!SEE_PIDS[@]}"; do kill "${SEE_PIDS[$other]}"; done
+          wait; SEE_PIDS=(); break
+        fi
+      done
+    done
+    best=$(python3 scripts/gpu/choose_seeing.py "$WORK" "$OUT"/see_*.jsonl)
+    rc=$?
+    [ "$rc" = 0 ] && ln -sfn "$WORK/seeing_$best" "$WORK/seeing" && echo "the see stage's model: variant $best"
+  fi
   [ "$STAGE" = see ] && exit "$rc"
   [ "$rc" = 0 ] && [ -d "$WORK/seeing" ] || { echo "the see stage failed (exit $rc): no $WORK/seeing"; exit 2; }
   # see+sft: the warm start from the model that sees, in the minutes the see stage left
@@ -90,7 +122,7 @@ if [ "$STAGE" = sft ]; then
     cp "$WORK/sft_$name/sft_log.jsonl" "$OUT/sft_$name.jsonl" 2>/dev/null || tail -30 "$WORK/sft_$name.log"
     echo "${VARIANTS[$name]}" | sed 's/ model.path=[^ ]*//' > "$WORK/sft_$name/overrides.txt"
   done
-  python scripts/gpu/choose_start.py "$WORK" --by "${CHOOSE:-seeing}"
+  python scripts/gpu/choose_start.py "$WORK" --by "${CHOOSE:-seeing}" --seeing-at-least "${SEEING_AT_LEAST:-0}"
   [ -f "$WORK/choice.env" ] && cp "$WORK/choice.env" "$OUT/"
   if [ -f "$WORK/choice.env" ] && [ "$GRPO_AFTER" = 0 ]; then  # sft+grpo goes on here: nothing to carry
     # shellcheck disable=SC1091
@@ -116,10 +148,17 @@ sft_lr=$(printf '%s\n' "${OVR[@]}" | sed -n 's/^sft.lr=//p')
 python scripts/sft.py "$CFG" "$WORK/control_$((n + 1))" "${OVR[@]}" model.path="$CONTROL_INIT" train.seed=$((43 + n)) \
   "${SFT_ARGS[@]}" --warmup 10 --max-minutes "$MINUTES" > "$WORK/control_$((n + 1)).log" 2>&1 &
 control=$!
+# the logs come back even when the device call's limit cuts this stage short
+( while sleep 20; do
+    cp "$WORK/runs/learn/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
+    cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl" 2>/dev/null
+  done ) &
+copier=$!
 timeout "$(python3 -c "print(int($MINUTES * 60 + 90))")" python -m app.main "$CFG" run_name=learn "${OVR[@]}" model.path="$WORK/$START" \
   output_dir="$WORK/runs" "${EXTRA[@]}" sft.steps=0 > "$OUT/grpo_$((n + 1)).log" 2>&1
 echo "app.main exit code $?"
 wait $control
+kill $copier
 cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl"
 cp "$WORK/runs/learn/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
 tail -5 "$WORK/control_$((n + 1)).log"
@@ -130,7 +169,9 @@ out = pathlib.Path(sys.argv[1])
 print("\n=== held-out greedy solve rate / first_try_open: GRPO (by step) vs continued SFT (by step), from the same "
       "checkpoint ===")
 grpo = [json.loads(l) for l in (out / "grpo_metrics.jsonl").read_text().splitlines()] if (out / "grpo_metrics.jsonl").exists() else []
-rate_and_seeing = lambda m: f"{m['eval_solve_rate']:.2f}/{m.get('eval_why_first_try_open', 0):.2f}"
+def rate_and_seeing(m):  # greedy solve rate / first_try_open, and the sampled solve rate with eval.samples
+    sampled = f"(s{m['eval_sampled_solve_rate']:.2f})" if "eval_sampled_solve_rate" in m else ""
+    return f"{m['eval_solve_rate']:.2f}/{m.get('eval_why_first_try_open', 0):.2f}{sampled}"
 print("grpo   ", " ".join(f"{m['step']}:{rate_and_seeing(m)}" for m in grpo if "eval_solve_rate" in m))
 ctrl = [json.loads(l) for l in (out / "control.jsonl").read_text().splitlines()]
 print("control", " ".join(f"{m['sft_step']}@{m['elapsed_s']:.0f}s:{rate_and_seeing(m)}" for m in ctrl if "eval_solve_rate" in m))
