@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,17 +88,27 @@ def test_choose_start_picks_the_best_seeing_checkpoint_at_most_half_solved(tmp_p
     assert choose_main([str(tmp_path), "--by", "rate", "--seeing-at-least", "0.92"]) == 1
 
 
-def test_learn_sft_then_grpo_runs_both_with_the_control_in_one_call(tmp_path):
-    out, work = tmp_path / "out", tmp_path / "work"
-    # the tiny model: this is about the stage's plumbing (GRPO's learning has tests/test_learning.py); 6 minutes
-    # bound the stages on a busy machine, the run itself stops after its one GRPO step and 3 control steps
+SMOKE = ("eval.num_mazes=2 sft.mazes_per_step=2 sft.variants=1 rollout.max_turns=9 train.picture_cache_gb=0 "
+         "placement.gpus_per_bundle=0 placement.cpus_per_bundle=0.5 model.dtype=float32 train.mazes_per_step=2 "
+         "rollout.n_samples_per_prompt=2 eval.eval_interval=1 checkpoint.ckpt_interval=1")
+
+
+@pytest.fixture(scope="module")
+def sft_then_grpo(tmp_path_factory):
+    """One sft+grpo call of the tiny model: (OUT, WORK, the finished process)."""
+    root = tmp_path_factory.mktemp("learn")
+    out, work = root / "out", root / "work"
+    # this is about the stages' plumbing (GRPO's learning has tests/test_learning.py); 6 minutes bound the stages on
+    # a busy machine, the run itself stops after its one GRPO step and 3 control steps
     done = run_script(["scripts/gpu/learn.sh", "sft+grpo", str(out), str(work), "6"], CONFIG="configs/tiny.yaml",
                       DEVICE="cpu", EVAL_EVERY="1", SFT_MINUTES="0.1", SIZES="7", SFT_LRS="3e-4", WARMUP="1",
-                      EXTRA="sft.steps=3 eval.num_mazes=2 sft.mazes_per_step=2 sft.variants=1 rollout.max_turns=9 "
-                            "train.picture_cache_gb=0 placement.gpus_per_bundle=0 placement.cpus_per_bundle=0.5 "
-                            "model.dtype=float32 train.mazes_per_step=2 rollout.n_samples_per_prompt=2 train.max_steps=1 "
-                            "eval.eval_interval=1 checkpoint.ckpt_interval=1")
+                      EXTRA=f"sft.steps=3 train.max_steps=1 {SMOKE}")
     assert done.returncode == 0, done.stdout + done.stderr
+    return out, work, done
+
+
+def test_learn_sft_then_grpo_runs_both_with_the_control_in_one_call(sft_then_grpo):
+    out, work, done = sft_then_grpo
     assert (out / "choice.env").is_file() and not list(out.glob("start.tar.*"))  # nothing to carry: GRPO ran here
     assert "sft stage done; GRPO for" in done.stdout
     grpo = [json.loads(line) for line in (out / "grpo_metrics.jsonl").read_text().splitlines()]
@@ -106,6 +119,35 @@ def test_learn_sft_then_grpo_runs_both_with_the_control_in_one_call(tmp_path):
     assert "grpo    0:" in done.stdout and "control " in done.stdout
     # the GRPO stage never re-runs a warm start in app.main, whatever EXTRA says (sft.steps=3 was for the sft stage)
     assert not any("sft_step" in m for m in grpo)
+
+
+def test_learn_packs_the_run_and_a_fresh_work_folder_resumes_grpo_and_the_control(sft_then_grpo, tmp_path):
+    out, work, _ = sft_then_grpo
+    pieces = tmp_path / "carried"
+    packed = run_script(["scripts/gpu/learn.sh", "pack", str(pieces), str(work)])
+    assert packed.returncode == 0, packed.stdout + packed.stderr
+    # a later session: nothing of WORK is left but what was carried back
+    fresh = tmp_path / "fresh"
+    shutil.copytree(work, fresh)
+    shutil.rmtree(work)
+    try:
+        unpacked = run_script(["scripts/gpu/learn.sh", "unpack", str(pieces), str(work)])
+        assert unpacked.returncode == 0, unpacked.stdout + unpacked.stderr
+        assert not (work / "sft_s7_lr3e-4" / "sft_log.jsonl").exists()  # only what going on needs came back
+        resumed = run_script(["scripts/gpu/learn.sh", "grpo", str(tmp_path / "out2"), str(work), "4"],
+                             CONFIG="configs/tiny.yaml", DEVICE="cpu", EVAL_EVERY="1",
+                             EXTRA=f"sft.steps=2 train.max_steps=2 {SMOKE}")
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        grpo = [json.loads(line) for line in (tmp_path / "out2" / "grpo_metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in grpo if "train_loss" in m] == [1, 2]  # step 1 from the first call, step 2 now
+        assert "resuming from checkpoint" in (tmp_path / "out2" / "grpo_2.log").read_text()  # the second round
+        control = [json.loads(line) for line in (tmp_path / "out2" / "control.jsonl").read_text().splitlines()]
+        assert [m["sft_step"] for m in control if "eval_solve_rate" in m][-1] == 2  # round 2, from round 1's model
+        assert (work / "control_2" / "final").is_dir()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(fresh, work)
+    assert run_script(["scripts/gpu/learn.sh", "unpack", str(tmp_path / "none"), str(work)]).returncode == 2
 
 
 def test_learn_see_variants_side_by_side_the_first_to_pass_wins_and_the_rest_stop(tmp_path):

@@ -25,12 +25,46 @@
 #       GRPO (app.main, vLLM rollouts, LoRA r32) from the chosen checkpoint, resuming from its latest
 #       checkpoint when WORK holds one; beside it on the same GPU the control: the same checkpoint's SFT
 #       continued for the same wall time (continuing the previous control when there is one).
+#   bash scripts/gpu/learn.sh pack OUT WORK
+#       what a later session needs to go on with GRPO and its control where this one stopped (choice.env, the start
+#       model, the latest GRPO checkpoint and metrics, the controls' logs and latest model) as OUT/state.tar.* pieces
+#       of 15 MB; copy them here into .carry/ (git-ignored), carry them back (carry: [".carry/state.tar.aa", ...],
+#       at most 64 MiB a device call) and copy them into one folder there, then
+#   bash scripts/gpu/learn.sh unpack PIECES WORK
+#       unpacks PIECES/state.tar.* (and PIECES/start.tar.*, the sft stage's) into WORK: the grpo stage then resumes.
+#       Unpack into the same WORK path: the GRPO run's config names its start model by path.
 # Smoke test on a CPU: DEVICE=cpu EVAL_EVERY=1 EXTRA="eval.num_mazes=2 sft.mazes_per_step=2 ..." (the grpo stage
 # then needs EXTRA to hold placement.gpus_per_bundle=0 model.dtype=float32 too).
 # Logs and metrics land in OUT (at most 8 files come back from a device call); a table is printed last.
 set -uo pipefail
-STAGE=${1:?see|see+sft|sft|sft+grpo|grpo}; OUT=${2:?out dir}; WORK=${3:?work dir}; MINUTES=${4:?minutes}
+STAGE=${1:?see|see+sft|sft|sft+grpo|grpo|pack|unpack}; OUT=${2:?out dir}; WORK=${3:?work dir}
 mkdir -p "$OUT" "$WORK"
+if [ "$STAGE" = pack ]; then
+  [ -f "$WORK/choice.env" ] || { echo "no $WORK/choice.env: nothing to pack"; exit 2; }
+  # shellcheck disable=SC1091
+  . "$WORK/choice.env"
+  run=runs/learn
+  files=(choice.env "$START")
+  [ -f "$WORK/$run/checkpoints/latest" ] && files+=("$run/metrics.jsonl" "$run/checkpoints/latest"
+                                                    "$run/checkpoints/$(cat "$WORK/$run/checkpoints/latest")")
+  n=$(ls -d "$WORK"/control_*/ 2>/dev/null | wc -l)
+  for k in $(seq 1 "$n"); do files+=("control_$k/sft_log.jsonl"); done
+  [ "$n" -gt 0 ] && files+=("control_$n/final")
+  tar -C "$WORK" -cf - "${files[@]}" | split -b 15M - "$OUT/state.tar."
+  ls -l "$OUT"/state.tar.*
+  exit 0
+fi
+if [ "$STAGE" = unpack ]; then
+  found=0
+  for kind in start state; do
+    compgen -G "$OUT/$kind.tar.*" > /dev/null || continue
+    cat "$OUT/$kind.tar."* | tar -C "$WORK" -xf - && found=1 || { echo "$kind.tar.* in $OUT does not unpack"; exit 2; }
+  done
+  [ "$found" = 1 ] || { echo "no start.tar.* or state.tar.* pieces in $OUT"; exit 2; }
+  ls "$WORK"
+  exit 0
+fi
+MINUTES=${4:?minutes}
 export RAY_AUTH_MODE=disabled VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
        TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=3
 CFG=${CONFIG:-configs/learn_h200.yaml}  # CONFIG: another config (a CPU smoke test takes configs/tiny.yaml)
