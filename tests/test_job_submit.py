@@ -36,10 +36,12 @@ def ray_head():
                              f"--temp-dir={temp}"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
-    deadline = time.monotonic() + 120
-    while subprocess.run([f"{bin_dir}/ray", "job", "list", "--address", address], env=env,
+    deadline = time.monotonic() + 180
+    # Up means a job runs: the dashboard answers `ray job list` before the node's job agent has registered, and a
+    # submit then fails with "No available agent to submit job" (seen on a loaded 2-core machine).
+    while subprocess.run([f"{bin_dir}/ray", "job", "submit", "--address", address, "--", "true"], env=env,
                          capture_output=True).returncode != 0:
-        assert time.monotonic() < deadline and head.poll() is None, "ray start --head did not come up"
+        assert time.monotonic() < deadline and head.poll() is None, "ray start --head did not come up to run a job"
         time.sleep(2)
     yield address, env
     os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops what it started
