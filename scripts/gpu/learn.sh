@@ -8,7 +8,8 @@
 #       (INIT=WORK/seeing). SEE_CACHE_GB (16) keeps every training picture processed on the GPU. SEE_ROOMS: the share
 #       of questions asked in rooms, where the answer takes seeing walls (perception_probe.py --rooms; default: any cell).
 #       SEE_VARIANTS="name:--flag=value,key=value ...": several see stages side by side, each with its own flags after
-#       the common ones (e.g. a:--batch=1024,train.micro_batch=1024); the first past SEE_ABOVE wins and the others stop.
+#       the common ones (e.g. rooms:--rooms=0.8); the first past SEE_ABOVE wins and the others stop. They share the GPU:
+#       at 256 questions a step each runs ~2.5x slower (docs/BENCHMARKS.md), so this compares settings, it saves no time.
 #   bash scripts/gpu/learn.sh see+sft OUT WORK MINUTES
 #       both in one call: see for at most SEE_MINUTES (default all of MINUTES), then sft from WORK/seeing for the rest.
 #   bash scripts/gpu/learn.sh sft  OUT WORK MINUTES
@@ -81,13 +82,14 @@ if [ "$STAGE" = see ] || [ "$STAGE" = see+sft ]; then
               --device "${DEVICE:-cuda}" --batch "${SEE_BATCH:-256}" --lr "${SEE_LR:-3e-4}"
               --eval-every "${SEE_EVAL_EVERY:-25}" --steps 1000000 --max-minutes "${SEE_MINUTES:-$MINUTES}"
               --stop-above "${SEE_ABOVE:-0.95}" ${SEE_ROOMS:+--rooms "$SEE_ROOMS"})
+  [ -L "$WORK/seeing" ] && rm "$WORK/seeing"  # a link to an earlier variant's model: this stage saves its own
   if [ -z "${SEE_VARIANTS:-}" ]; then
     python scripts/perception_probe.py "$CFG" "$OUT/see.jsonl" "${SEE_COMMON[@]}" --save "$WORK/seeing" 2>&1 | grep -v "it/s]"
     rc=${PIPESTATUS[0]}
   else
-    # SEE_VARIANTS="name:--flag=value,key=value name2:...": see stages side by side (a step is host-bound, so the GPU
-    # has room), each with its own flags or overrides after the common ones; the first to pass SEE_ABOVE wins and
-    # the rest stop; when none does, the highest last p_exact. WORK/seeing links to the winner's model.
+    # SEE_VARIANTS="name:--flag=value,key=value name2:...": see stages side by side, each with its own flags or
+    # overrides after the common ones; the first to pass SEE_ABOVE wins and the rest stop; when none does, the
+    # highest last p_exact. WORK/seeing links to the winner's model.
     declare -A SEE_PIDS=()
     for spec in $SEE_VARIANTS; do
       name=${spec%%:*}; flags=${spec#*:}
