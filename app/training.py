@@ -204,6 +204,9 @@ class PolicyTrainer:
         total_tokens, passes = self._all_reduce(local[:1].clone()).item(), int(self._all_reduce(local[1:].clone(), "max").item())
         forward_tokens = self._all_reduce(torch.tensor([float(sum(len(it.token_ids) for it in items))])).item()
         sums = torch.zeros(8, dtype=torch.float64)  # pg, kl, clipped, tokens, entropy, |mismatch|, max mismatch, loss
+        # the last pass's clipped tokens, k3(old || current) and tokens: in the first pass the ratio is 1 by
+        # construction, so only a later pass shows how far the update moved the policy and what the clip cut
+        moved = torch.zeros(3, dtype=torch.float64)
         grad_norm = 0.0
         old = [None] * passes
         if cfg.update_epochs > 1:  # the update changes the policy: freeze the pre-update logprobs first
@@ -222,6 +225,9 @@ class PolicyTrainer:
                 if self.distributed and hasattr(self.model, "set_requires_gradient_sync"):
                     self.model.set_requires_gradient_sync(i == passes - 1)
                 terms.loss.backward()
+                if epoch == cfg.update_epochs - 1 and weight:
+                    drift = (grpo.kl_k3(old_logp, logp.detach()) * mask).sum().item() if old[i] is not None else 0.0
+                    moved += torch.tensor([terms.clipped.item(), drift, terms.tokens], dtype=torch.float64)
                 if epoch == 0 and weight:
                     padded = torch.zeros(len(batch), max(len(it.token_ids) for it in batch))
                     for row, it in enumerate(batch):
@@ -234,6 +240,9 @@ class PolicyTrainer:
             grad_norm = self._clip_and_step(self.optimizer, self.scheduler)
         self.steps_done += 1
         metrics = self._metrics(sums, grad_norm, result, len(items), time.perf_counter() - t0)
+        moved = self._all_reduce(moved)
+        metrics["clip_fraction"] = moved[0].item() / max(moved[2].item(), 1.0)
+        metrics["update_kl"] = moved[1].item() / max(moved[2].item(), 1.0)
         metrics["forward_tokens"] = forward_tokens * cfg.update_epochs  # every position, every pass (for MFU)
         return metrics
 
@@ -298,7 +307,7 @@ class PolicyTrainer:
         tokens = max(s[3].item(), 1.0)
         return {
             "loss": s[7].item() / self.world, "pg_loss": s[0].item() / tokens, "kl": s[1].item() / tokens,
-            "clip_fraction": s[2].item() / tokens, "entropy": s[4].item() / tokens,
+            "entropy": s[4].item() / tokens,
             "logprob_mismatch_mean": s[5].item() / tokens, "logprob_mismatch_max": mismatch_max,
             "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "trained_tokens": s[3].item(),
             "groups": result.groups, "zero_variance_groups": result.zero_variance_groups,

@@ -1,0 +1,50 @@
+"""`PolicyTrainer.train_step` with several passes over a batch: what its metrics say about how far the update moved.
+
+In the first pass the PPO ratio is 1 by construction, so the clip fraction and the policy's drift are measured
+in the last pass; a GPU run with two passes once reported a clip fraction of exactly 0 on every step because
+they were read from the first (docs/RESULTS.md, seventh attempt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def batch(hf_engine, codec):
+    """Two groups of four sampled episodes, rewarded 1 and 0 alternately so that every group carries signal."""
+    from app.engines.base import Sampling
+    from app.episodes import EpisodeRequest, EpisodeSettings, play_episodes
+    from app.maze import generate_maze
+
+    requests = [EpisodeRequest(generate_maze(group, 7), group, s) for group in range(2) for s in range(4)]
+    settings = EpisodeSettings(max_turns=2, maze_size=7, cell_px=32, image_history=0, max_model_len=4096)
+    trajectories = play_episodes(hf_engine, codec, requests, settings, Sampling(8, 1.0, seed=3))
+    return [dataclasses.replace(t, reward=float(t.sample % 2)) for t in trajectories]
+
+
+def train_once(tiny_model_dir, batch, *overrides):
+    from app.training import PolicyTrainer
+
+    trainer = PolicyTrainer(tiny_config("train.micro_batch=8", *overrides), tiny_model_dir)
+    return trainer.train_step(batch)
+
+
+def test_one_pass_neither_clips_nor_reports_drift(tiny_model_dir, batch):
+    metrics = train_once(tiny_model_dir, batch, "train.update_epochs=1", "train.lr=0.05")
+    assert metrics["clip_fraction"] == 0.0 and metrics["update_kl"] == 0.0
+    assert metrics["zero_variance_groups"] == 0 and metrics["grad_norm"] > 0
+
+
+def test_later_passes_report_the_drift_and_the_clipped_share_of_the_last_pass(tiny_model_dir, batch):
+    gentle = train_once(tiny_model_dir, batch, "train.update_epochs=2", "train.lr=1e-5")
+    bold = train_once(tiny_model_dir, batch, "train.update_epochs=3", "train.lr=0.05")
+    assert 0.0 < gentle["update_kl"] < bold["update_kl"]
+    assert bold["clip_fraction"] > 0.0
+    assert gentle["clip_fraction"] <= bold["clip_fraction"]
+    # the first pass's figures stay on-policy: the entropy and mismatch of the batch as sampled
+    assert gentle["entropy"] == pytest.approx(bold["entropy"], rel=1e-4)
