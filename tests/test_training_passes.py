@@ -48,3 +48,21 @@ def test_later_passes_report_the_drift_and_the_clipped_share_of_the_last_pass(ti
     assert gentle["clip_fraction"] <= bold["clip_fraction"]
     # the first pass's figures stay on-policy: the entropy and mismatch of the batch as sampled
     assert gentle["entropy"] == pytest.approx(bold["entropy"], rel=1e-4)
+
+
+def test_update_size_script_measures_more_drift_at_a_higher_rate(tiny_model_dir, batch, tmp_path):
+    """scripts/update_size.py's measurement, on the same rewarded batch: rows per rate, drift growing with it."""
+    import json
+    import os
+
+    from scripts.update_size import measure
+
+    config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny.yaml")
+    out = tmp_path / "sizes.jsonl"
+    rows = measure(config, ["train.micro_batch=8", "train.update_epochs=2"], tiny_model_dir, batch,
+                   [1e-5, 0.05], "cpu", out)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+    gentle, bold = rows
+    assert 0.0 < gentle["step_kl"] < bold["step_kl"] and gentle["update_kl"] < bold["update_kl"]
+    assert gentle["moved_10pct"] <= bold["moved_10pct"] and bold["moved_10pct"] > 0.0
+    assert all(r["groups"] == 2 and r["zero_variance_groups"] == 0 for r in rows)
