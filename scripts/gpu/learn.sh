@@ -27,7 +27,7 @@
 #       checkpoint when WORK holds one; beside it on the same GPU the control: the same checkpoint's SFT
 #       continued for the same wall time (continuing the previous control when there is one).
 #   bash scripts/gpu/learn.sh pack OUT WORK
-#       what a later session needs to go on with GRPO and its control where this one stopped (choice.env, the start
+#       what a fresh machine needs to go on with GRPO and its control where this one stopped (choice.env, the start
 #       model, the latest GRPO checkpoint and metrics, the controls' logs and latest model) as OUT/state.tar.* pieces
 #       of 15 MB; copy them here into .carry/ (git-ignored), carry them back (carry: [".carry/state.tar.aa", ...],
 #       at most 64 MiB a device call) and copy them into one folder there, then
