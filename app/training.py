@@ -203,7 +203,7 @@ class PolicyTrainer:
         local = torch.tensor([float(sum(it.tokens for it in items)), float(batches.real)])
         total_tokens, passes = self._all_reduce(local[:1].clone()).item(), int(self._all_reduce(local[1:].clone(), "max").item())
         forward_tokens = self._all_reduce(torch.tensor([float(sum(len(it.token_ids) for it in items))])).item()
-        sums = torch.zeros(8, dtype=torch.float64)  # pg, kl, clipped, tokens, entropy, |mismatch|, max mismatch, loss
+        sums = torch.zeros(7, dtype=torch.float64)  # first pass: pg, kl, tokens, entropy, |mismatch|, max mismatch, loss
         # the last pass's clipped tokens, k3(old || current) and tokens: in the first pass the ratio is 1 by
         # construction, so only a later pass shows how far the update moved the policy and what the clip cut
         moved = torch.zeros(3, dtype=torch.float64)
@@ -233,16 +233,13 @@ class PolicyTrainer:
                     for row, it in enumerate(batch):
                         padded[row, :len(it.token_ids)] = it.rollout_logprobs
                     diff = ((logp.detach().cpu() - padded[:, wanted + 1]).abs() * mask.cpu())
-                    sums += torch.tensor([terms.pg_loss.item(), terms.kl.item(), terms.clipped.item(), terms.tokens,
+                    sums += torch.tensor([terms.pg_loss.item(), terms.kl.item(), terms.tokens,
                                           float((entropy.cpu() * mask.cpu()).sum()), float(diff.sum()),
                                           0.0, terms.loss.item() * self.world], dtype=torch.float64)
-                    sums[6] = max(sums[6].item(), float(diff.max()) if diff.numel() else 0.0)
+                    sums[5] = max(sums[5].item(), float(diff.max()) if diff.numel() else 0.0)
             grad_norm = self._clip_and_step(self.optimizer, self.scheduler)
         self.steps_done += 1
-        metrics = self._metrics(sums, grad_norm, result, len(items), time.perf_counter() - t0)
-        moved = self._all_reduce(moved)
-        metrics["clip_fraction"] = moved[0].item() / max(moved[2].item(), 1.0)
-        metrics["update_kl"] = moved[1].item() / max(moved[2].item(), 1.0)
+        metrics = self._metrics(sums, moved, grad_norm, result, len(items), time.perf_counter() - t0)
         metrics["forward_tokens"] = forward_tokens * cfg.update_epochs  # every position, every pass (for MFU)
         return metrics
 
@@ -300,16 +297,17 @@ class PolicyTrainer:
             t = on_device.to(t.device)
         return t
 
-    def _metrics(self, sums: torch.Tensor, grad_norm: float, result: grpo.AdvantageResult, sequences: int,
-                 seconds: float) -> dict:
-        mismatch_max = self._all_reduce(sums[6:7].clone().float(), "max").item()
-        s = self._all_reduce(sums.clone())
-        tokens = max(s[3].item(), 1.0)
+    def _metrics(self, sums: torch.Tensor, moved: torch.Tensor, grad_norm: float, result: grpo.AdvantageResult,
+                 sequences: int, seconds: float) -> dict:
+        mismatch_max = self._all_reduce(sums[5:6].clone().float(), "max").item()
+        s, last = self._all_reduce(sums.clone()), self._all_reduce(moved.clone())
+        tokens, last_tokens = max(s[2].item(), 1.0), max(last[2].item(), 1.0)
         return {
-            "loss": s[7].item() / self.world, "pg_loss": s[0].item() / tokens, "kl": s[1].item() / tokens,
-            "entropy": s[4].item() / tokens,
-            "logprob_mismatch_mean": s[5].item() / tokens, "logprob_mismatch_max": mismatch_max,
-            "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "trained_tokens": s[3].item(),
+            "loss": s[6].item() / self.world, "pg_loss": s[0].item() / tokens, "kl": s[1].item() / tokens,
+            "entropy": s[3].item() / tokens,
+            "clip_fraction": last[0].item() / last_tokens, "update_kl": last[1].item() / last_tokens,
+            "logprob_mismatch_mean": s[4].item() / tokens, "logprob_mismatch_max": mismatch_max,
+            "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "trained_tokens": s[2].item(),
             "groups": result.groups, "zero_variance_groups": result.zero_variance_groups,
             "sequences_this_rank": sequences, "train_step_s": seconds,
         }

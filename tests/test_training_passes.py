@@ -46,7 +46,7 @@ def test_later_passes_report_the_drift_and_the_clipped_share_of_the_last_pass(ti
     assert 0.0 < gentle["update_kl"] < bold["update_kl"]
     assert bold["clip_fraction"] > 0.0
     assert gentle["clip_fraction"] <= bold["clip_fraction"]
-    # the first pass's figures stay on-policy: the entropy and mismatch of the batch as sampled
+    # the first pass's figures stay on-policy: the entropy of the batch as sampled
     assert gentle["entropy"] == pytest.approx(bold["entropy"], rel=1e-4)
 
 
