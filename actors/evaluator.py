@@ -30,7 +30,7 @@ class EvaluatorActor:
         greedy = Sampling(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
         shares = [[] for _ in self.rollouts]
         for i, maze in enumerate(self.mazes):
-            shares[i % len(self.rollouts)].append((maze.seed, i))
+            shares[i % len(self.rollouts)].append((maze, i))
         refs = [actor.play.remote(share, 1, greedy)[1] for actor, share in zip(self.rollouts, shares) if share]
         trajectories = sorted((t for batch in ray.get(refs) for t in batch), key=lambda t: t.group)
         report = eval_report(trajectories, self.cfg.rollout.max_turns)

@@ -11,7 +11,7 @@ from app.adapters import PackedTensors, unpack
 from app.config import Config
 from app.engines import Sampling, make_engine
 from app.episodes import EpisodeRequest, episode_settings, play_episodes
-from app.maze import generate_maze
+from app.maze import Maze
 from app.model import ensure_model
 from app.trajectory import Trajectory, summarize
 
@@ -29,10 +29,9 @@ class RolloutActor:
         return {"index": self.index, "node": ray.get_runtime_context().get_node_id(), **self.engine.stats()}
 
     @ray.method(num_returns=2)
-    def play(self, maze_seeds: list[tuple[int, int]], n_samples: int, sampling: Sampling) -> tuple[dict, list[Trajectory]]:
-        """Plays each (seed, group) maze n_samples times; returns (summary, trajectories)."""
-        requests = [EpisodeRequest(generate_maze(seed, self.cfg.maze.size), group, s)
-                    for seed, group in maze_seeds for s in range(n_samples)]
+    def play(self, groups: list[tuple[Maze, int]], n_samples: int, sampling: Sampling) -> tuple[dict, list[Trajectory]]:
+        """Plays each (maze, group) n_samples times; returns (summary, trajectories)."""
+        requests = [EpisodeRequest(maze, group, s) for maze, group in groups for s in range(n_samples)]
         trajectories = play_episodes(self.engine, self.engine.codec, requests, self.settings, sampling)
         summary = summarize(trajectories)
         summary["rewards"] = [(t.group, t.sample, t.reward) for t in trajectories]

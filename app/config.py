@@ -135,6 +135,9 @@ class TrainConfig:
     dataset_size: int = knob(256, "training mazes in one epoch", ge=1)
     max_steps: int = knob(0, "stop after this many steps; 0 runs all epochs", ge=0)
     mazes_per_step: int = knob(8, "mazes per GRPO step (each played n_samples_per_prompt times)", ge=1)
+    random_starts: float = knob(0.0, "share of a step's mazes whose group starts on a random open cell (not the goal) "
+                                     "instead of VisGym's corner: shorter episodes whose rewards say more about each "
+                                     "turn; evaluation always starts in the corner", ge=0.0, le=1.0)
     micro_batch: int = knob(4, "sequences per forward/backward on one trainer rank", ge=1)
     picture_cache_gb: float = knob(0.0, "processed pictures kept on the trainer's device, by content (repeated "
                                         "maze states skip the host-side image processor); 0 disables", ge=0.0)

@@ -134,7 +134,7 @@ def rollout_phase(actors: Actors, mazes, cfg: Config, step: int):
                         seed=cfg.train.seed * 1_000_003 + step * 7_919)
     shares = [[] for _ in actors.rollouts]
     for group, maze in enumerate(mazes):
-        shares[group % len(shares)].append((maze.seed, group))
+        shares[group % len(shares)].append((maze, group))  # the maze itself: its start may not be the seed's
     refs = [a.play.remote(share, cfg.rollout.n_samples_per_prompt, sampling)
             for a, share in zip(actors.rollouts, shares)]
     summaries = ray.get([s for s, _ in refs])

@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  consolidator -> {head}")
             return 0
         eval_ids = {m.identity for m in eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)}
-        sampler = MazeSampler(cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, eval_ids)
+        sampler = MazeSampler(cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, eval_ids,
+                              random_starts=cfg.train.random_starts)
         ray = connect_ray(cfg)
         placement.check_cluster(plan, ray.cluster_resources())
     except ConfigError as e:

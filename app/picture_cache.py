@@ -44,7 +44,8 @@ class PictureCache:
             fresh = self.codec.vision_inputs([png_to_image(first[k]) for k in missing], device=self.device)
             rows = fresh["image_grid_thw"].prod(dim=1).tolist()
             for k, pixels, grid in zip(missing, fresh["pixel_values"].split(rows), fresh["image_grid_thw"]):
-                self._store(k, pixels.to(self.device, self.dtype), grid.to(self.device))
+                # the grid stays on the host: the trainer reads it there (app.rope_positions) without a device sync
+                self._store(k, pixels.to(self.device, self.dtype), grid.to("cpu"))
         entries = [self._entries[k] for k in keys]
         for k in keys:
             self._entries.move_to_end(k)

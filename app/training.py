@@ -21,6 +21,7 @@ from app.encoding import ChatCodec, png_to_image
 from app.engines.base import logprobs_of
 from app.model import apply_lora, load_model, load_processor
 from app.picture_cache import PictureCache
+from app.rope_positions import batch_positions
 from app.trajectory import Trajectory
 
 
@@ -117,6 +118,7 @@ class PolicyTrainer:
                                            betas=(0.9, 0.999), eps=1e-8)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.steps_done = 0
+        self.host_positions = True  # app.rope_positions; False leaves them to the model (scripts/gpu/profile_sft.py)
         self._sft_optimizer = None
         self.pictures = None
         if cfg.train.picture_cache_gb > 0:
@@ -157,6 +159,10 @@ class PolicyTrainer:
         else:
             on_gpu = self.device if self.device.type == "cuda" else None
             inputs.update(self.codec.vision_inputs([png_to_image(png) for png in pngs], device=on_gpu))
+        if self.host_positions:  # the model's own rotary positions loop over the batch on the device; same values
+            grids = inputs["image_grid_thw"].tolist() if pngs else []
+            inputs["position_ids"] = batch_positions([it.token_ids.numpy() for it in batch], width,
+                                                     self.codec.image_pad_id, grids, self.codec.merge)
         return {k: v.to(self.device) for k, v in inputs.items()}, ids, mask
 
     def token_logprobs(self, batch: list[TrainItem], with_grad: bool, adapter: bool = True,

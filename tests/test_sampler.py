@@ -55,3 +55,28 @@ def test_asking_for_more_mazes_than_exist_is_a_config_error():
     with pytest.raises(ConfigError) as err:
         MazeSampler(0, 2000, 7, set(), give_up_after=3000)
     assert err.value.field_path == "train.dataset_size"
+
+
+def test_random_starts_keep_walls_and_goal_and_replay_on_resume():
+    plain = MazeSampler(5, 60, 7, set())
+    moved = MazeSampler(5, 60, 7, set(), random_starts=0.5)
+    corner, mixed = plain.next(40), moved.next(40)
+    starts_moved = 0
+    for a, b in zip(corner, mixed):
+        assert a.seed == b.seed and a.goal == b.goal and (a.walls == b.walls).all()
+        assert b.start != b.goal and b.is_open(b.start)
+        starts_moved += a.start != b.start
+    assert 10 <= starts_moved <= 30  # about half, each drawn from (seed, epoch, position)
+    state = moved.state_dict()
+    rest = [(m.seed, m.start) for m in moved.next(30)]
+    again = MazeSampler(5, 60, 7, set(), random_starts=0.5)
+    again.load_state_dict(state)
+    assert [(m.seed, m.start) for m in again.next(30)] == rest
+
+
+def test_random_starts_never_make_a_held_out_maze():
+    ids = {m.identity for m in eval_mazes(1_000_000, 64, 7)}
+    sampler = MazeSampler(42, 704, 7, ids, random_starts=1.0)
+    seen = sampler.next(1500)
+    assert not ids & {m.identity for m in seen}
+    assert sum(m.start not in {(1, 1), (5, 5), (1, 5), (5, 1)} for m in seen) > 1000

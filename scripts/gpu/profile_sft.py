@@ -4,14 +4,17 @@
 
 The learning run's SFT steps took ~1.15 s for ~70k tokens of a 10 M-parameter model (docs/RESULTS.md): far
 from what the GPU can do, so the step is bound by something else. This times the parts of a step with the
-device synchronised (making demonstrations, building inputs, the vision tower, forward, backward, optimizer)
-with the vision tower's attention batched (app.vision_attention) and per picture (transformers' loop) side
-by side, and writes torch.profiler's top operators (batched) to OUT/profile_sft.txt.
-Needs only torch/transformers/peft (no vLLM, no Ray).
+device synchronised (making demonstrations, building inputs, the vision tower, forward, backward, optimizer),
+and a see-stage step (SEE_QUESTIONS open-move questions, scripts/perception_probe.py), in three variants side
+by side on the same data: as the trainer runs now (rotary positions made on the host, app.rope_positions, and
+the vision tower's attention batched, app.vision_attention), with the positions left to the model's own
+per-sequence loop, and with the vision attention per picture too (transformers' loops). Writes torch.profiler's
+top operators (current variant) to OUT/profile_sft.txt. Needs only torch/transformers/peft (no vLLM, no Ray).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,9 +29,15 @@ from app.episodes import episode_settings  # noqa: E402
 from app.encoding import ChatCodec  # noqa: E402
 from app.model import ensure_model, load_processor  # noqa: E402
 from app.sampler import MazeSampler  # noqa: E402
-from app.sft import demonstration  # noqa: E402
+from app.sft import demonstration, perception_example  # noqa: E402
 from app import grpo  # noqa: E402
 from app.training import PolicyTrainer, build_items, micro_batches  # noqa: E402
+
+
+# now: host-made rotary positions + batched vision attention; model_pos: the model's own positions (before
+# 2026-12-02, session 11); loops: the model's positions and per-picture vision attention (before 2026-12-01)
+VARIANTS = ("now", "model_pos", "loops")
+SEE_QUESTIONS = int(os.environ.get("SEE_QUESTIONS", "256"))  # fewer for a CPU smoke test
 
 
 def sync(device) -> None:
@@ -60,13 +69,17 @@ def main() -> None:
     batches = [sampler.next(cfg.sft.mazes_per_step) for _ in range(6)]
     made = [timed(lambda b=b: [demonstration(m, codec, settings, noise=cfg.sft.noise, seed=1) for m in b], device)
             for b in batches]
-    demos = [d for d, _ in made]  # the same steps for both variants
-    for label in ("batched", "per picture"):  # app.vision_attention's one call, and the library's loop
+    demos = [d for d, _ in made]  # the same steps for every variant
+    questions = [[perception_example(m, m.open_cells()[k % len(m.open_cells())], codec, cfg.maze.cell_px)
+                  for k, m in enumerate(sampler.next(SEE_QUESTIONS))] for _ in range(4)]
+    for label in VARIANTS:
         trainer = PolicyTrainer(cfg, model_dir, device=device.type, train_base=True)
-        if label == "per picture":
+        trainer.host_positions = label == "now"
+        if label == "loops":
             for module in trainer.model.modules():
                 module.__dict__.pop("forward", None)
         steps = [timed(lambda d=d: trainer.sft_step(d, 2e-4), device)[1] for d in demos]  # first: picture cache misses
+        see = [timed(lambda q=q: trainer.sft_step(q, 2e-4), device)[1] for q in questions]
         items = build_items(demos[-1], grpo.AdvantageResult([0.0] * len(demos[-1]), [True] * len(demos[-1]),
                                                             len(demos[-1]), 0))
         batch = micro_batches(items, items, micro).get(0)[0]
@@ -77,8 +90,8 @@ def main() -> None:
         _, t_bwd = timed(lambda: (-(logp * mask).sum()).backward(), device)
         tokens = sum(len(it.token_ids) for it in items)
         rows.append((label, micro, len(items), tokens, median(t for _, t in made), steps[0], median(steps[1:]), len(batch),
-                     t_inputs, t_vision, t_fwd, t_bwd))
-        if label == "batched":
+                     t_inputs, t_vision, t_fwd, t_bwd, median(see[1:])))
+        if label == "now":
             from torch.profiler import ProfilerActivity, profile
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             with profile(activities=activities) as prof:
@@ -91,10 +104,13 @@ def main() -> None:
         del trainer
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    head = ("attention", "micro", "seqs", "tokens", "demos_s", "step1_s", "step_s", "pass_seqs", "inputs_s", "vision_s", "fwd_s", "bwd_s")
+    head = ("variant", "micro", "seqs", "tokens", "demos_s", "step1_s", "step_s", "pass_seqs", "inputs_s", "vision_s", "fwd_s",
+            "bwd_s", "see_s")
     lines = [" ".join(f"{h:>9}" for h in head)]
     lines += [" ".join(f"{v:>9.3f}" if isinstance(v, float) else f"{v:>9}" for v in r) for r in rows]
-    lines.append(f"step time, per picture / batched: {rows[1][6] / rows[0][6]:.2f}")
+    for other in rows[1:]:
+        lines.append(f"{other[0]} / now: SFT step {other[6] / rows[0][6]:.2f}, see step ({SEE_QUESTIONS} questions) "
+                     f"{other[12] / rows[0][12]:.2f}")
     (out / "profile_sft_table.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
