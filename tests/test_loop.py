@@ -78,6 +78,7 @@ def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_p
 
     from actors.rollout import lora_checksum
     from app.driver import absolute_paths, rollout_phase, shutdown, spawn, sync_lora
+    from app.maze import generate_maze
     from app.sampler import MazeSampler
     from placement.plan import make_plan
 
@@ -89,7 +90,13 @@ def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_p
         sampler = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set())
         # a supervised step moves the adapter away from its init (a random policy earns no GRPO signal)
         ray.get([t.sft_step.remote([m.seed for m in sampler.next(2)], 1e-2) for t in actors.trainers])
-        _, refs = rollout_phase(actors, sampler.next(2), cfg, 1)
+        # groups from random cells (train.random_starts): the rollout actors play the maze they are handed, start included
+        moved = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set(), random_starts=1.0).next(2)
+        _, refs = rollout_phase(actors, moved, cfg, 1)
+        played = [t for batch in ray.get(refs) for t in batch]
+        assert {t.group for t in played} == {0, 1}
+        assert all(t.optimal_moves == moved[t.group].shortest_path_length for t in played)
+        assert any(t.optimal_moves != generate_maze(t.maze_seed, cfg.maze.size).shortest_path_length for t in played)
         results = [t.step.remote(refs, 1) for t in actors.trainers]
         ray.get([m for m, _ in results])
         sync_lora(actors, results[0][1], 1)
