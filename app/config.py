@@ -146,7 +146,13 @@ class TrainConfig:
     clip_high: float = knob(0.2, "PPO ratio clip above 1", ge=0.0)
     kl_coef: float = knob(0.0, "weight of the KL to the reference (adapter disabled); 0 skips that forward", ge=0.0)
     advantage: Literal["grpo", "drgrpo"] = knob("grpo", "grpo divides by the group std, drgrpo does not")
-    drop_zero_variance_groups: bool = knob(False, "leave out groups whose samples all earned the same reward")
+    drop_zero_variance_groups: bool = knob(False, "leave out groups whose samples all earned the same reward "
+                                                  "(kept when step advantages still tell their turns apart)")
+    step_advantage_weight: float = knob(0.0, "weight of each turn's anchor-state advantage (GiGPO: its return compared "
+                                             "with the group's other turns from the same cell) added to the episode's; "
+                                             "0 is plain GRPO", ge=0.0)
+    step_discount: float = knob(0.95, "discount of a turn's return for the step advantage: gamma^(turns after it) x "
+                                      "reward", gt=0.0, le=1.0)
     grad_clip: float = knob(1.0, "max global grad norm; 0 disables clipping", ge=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay", ge=0.0)
     warmup_steps: int = knob(0, "linear LR warm-up steps", ge=0)

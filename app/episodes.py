@@ -48,6 +48,7 @@ class RunningEpisode:
         self.sequences = []
         self.replies: list[str] = []
         self.actions: list[str | None] = []
+        self.states: list[str] = []  # the cell each turn's action was chosen in (app.step_advantages)
         self.truncated = 0
 
     def _where(self) -> str | None:
@@ -97,6 +98,7 @@ class RunningEpisode:
         self.actions.append(dialogue.format_action(action) if action is not None else None)
         closed_by_model = bool(ids) and ids[-1] == codec.im_end_id
         self.truncated += 0 if closed_by_model else 1
+        self.states.append("{},{}".format(*self.env.position))
         result = self.env.step(action)
         if result.done:
             self._close_sequence()
@@ -123,7 +125,7 @@ class RunningEpisode:
             reward=env.reward, outcome=env.outcome, turns=env.turns, moves=env.moves,
             invalid_actions=env.invalid_actions, optimal_moves=maze.shortest_path_length,
             solvable=maze.solvable_within(self.settings.max_turns), lora_version=lora_version,
-            truncated_replies=self.truncated,
+            truncated_replies=self.truncated, states=list(self.states),
         )
 
 

@@ -36,6 +36,8 @@ EXPORTED = {
     "train_clip_fraction": "share of tokens whose ratio was clipped in the step's last pass (0 with update_epochs 1)",
     "train_update_kl": "k3 KL(pre-update || current policy) in the step's last pass, token mean: how far it moved",
     "train_entropy": "policy entropy on trained tokens",
+    "train_step_anchored_turn_share": "share of training turns compared with other turns from the same cell "
+                                      "(train.step_advantage_weight > 0)",
     "train_grad_norm": "global gradient norm before clipping",
     "train_logprob_mismatch_mean": "mean |trainer - rollout| logprob on sampled tokens",
     "rollout_generated_tokens_per_s": "generated tokens per second in the rollout phase",

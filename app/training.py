@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,70 +21,9 @@ from app.engines.base import logprobs_of
 from app.model import apply_lora, load_model, load_processor
 from app.picture_cache import PictureCache
 from app.rope_positions import batch_positions
+from app.step_advantages import advantages_for
+from app.train_batch import TrainItem, advantage_table, build_items, micro_batches, shard
 from app.trajectory import Trajectory
-
-
-@dataclass
-class TrainItem:
-    """One sequence to train on, with its trajectory's advantage."""
-
-    token_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    rollout_logprobs: torch.Tensor
-    advantage: float
-    images: list[bytes]  # PNG bytes of its pictures, in order of appearance (decoded only when processed)
-
-    @property
-    def tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-
-def build_items(trajectories: list[Trajectory], result: grpo.AdvantageResult) -> list[TrainItem]:
-    items = []
-    for traj, adv, keep in zip(trajectories, result.advantages, result.keep):
-        if not keep:
-            continue
-        pictures = traj.images
-        for seq in traj.sequences:
-            items.append(TrainItem(torch.tensor(seq.token_ids, dtype=torch.long),  # copies: Ray's arrays are read-only
-                                   torch.tensor(seq.loss_mask, dtype=torch.float32),
-                                   torch.tensor(seq.rollout_logprobs, dtype=torch.float32), adv,
-                                   [pictures[i] for i in seq.image_indices]))
-    return items
-
-
-def shard(items: list[TrainItem], rank: int, world: int) -> list[TrainItem]:
-    """This rank's share: longest first, each to the rank with the fewest tokens so far (deterministic)."""
-    loads = [0] * world
-    mine = []
-    for index in sorted(range(len(items)), key=lambda i: (-len(items[i].token_ids), i)):
-        target = min(range(world), key=lambda r: (loads[r], r))
-        loads[target] += len(items[index].token_ids)
-        if target == rank:
-            mine.append(items[index])
-    return mine
-
-
-@dataclass
-class MicroBatches:
-    """This rank's micro-batches; pass i beyond them is a zero-weight padding pass (FSDP's collectives must
-    line up across ranks), run on a borrowed sequence: a rank can own none when sequences are fewer than ranks."""
-
-    batches: list[list[TrainItem]]
-    spare: list[TrainItem]
-
-    @property
-    def real(self) -> int:
-        return len(self.batches)
-
-    def get(self, i: int) -> tuple[list[TrainItem], float]:
-        if i < len(self.batches):
-            return self.batches[i], 1.0
-        return (self.batches[0] if self.batches else self.spare)[:1], 0.0
-
-
-def micro_batches(items: list[TrainItem], everything: list[TrainItem], size: int) -> MicroBatches:
-    return MicroBatches([items[i:i + size] for i in range(0, len(items), size)], everything[:1])
 
 
 class PolicyTrainer:
@@ -201,9 +139,8 @@ class PolicyTrainer:
     def train_step(self, trajectories: list[Trajectory]) -> dict:
         t0 = time.perf_counter()
         cfg = self.cfg.train
-        result = grpo.compute_advantages([t.group for t in trajectories], [t.reward for t in trajectories],
-                                         cfg.advantage, cfg.drop_zero_variance_groups)
-        everything = build_items(trajectories, result)
+        result, steps = advantages_for(cfg, trajectories)
+        everything = build_items(trajectories, result, steps, cfg.step_advantage_weight)
         items = shard(everything, self.rank, self.world)
         batches = micro_batches(items, everything, cfg.micro_batch)
         local = torch.tensor([float(sum(it.tokens for it in items)), float(batches.real)])
@@ -222,7 +159,7 @@ class PolicyTrainer:
                 batch, weight = batches.get(i)  # weight 0: a padding pass that keeps collectives aligned
                 logp, entropy, mask, wanted = self.token_logprobs(batch, with_grad=True)
                 old_logp = logp.detach() if old[i] is None else old[i]
-                adv = torch.tensor([it.advantage for it in batch], device=logp.device).unsqueeze(1).expand_as(logp)
+                adv = advantage_table(batch)[:, wanted + 1].to(logp.device)
                 ref = None
                 if self.cfg.train.kl_coef > 0:
                     ref = self.token_logprobs(batch, with_grad=False, adapter=False)[0]
@@ -246,6 +183,11 @@ class PolicyTrainer:
             grad_norm = self._clip_and_step(self.optimizer, self.scheduler)
         self.steps_done += 1
         metrics = self._metrics(sums, moved, grad_norm, result, len(items), time.perf_counter() - t0)
+        if steps is not None:
+            turns = max(sum(len(t.states) for t in trajectories), 1)
+            metrics.update(step_anchor_groups=steps.anchor_groups,
+                           step_informative_anchor_groups=steps.informative_anchor_groups,
+                           step_anchored_turn_share=steps.anchored_turns / turns)
         metrics["forward_tokens"] = forward_tokens * cfg.update_epochs  # every position, every pass (for MFU)
         return metrics
 

@@ -20,6 +20,7 @@ class Sequence:
     loss_mask: np.ndarray  # uint8 [T], 1 on sampled ids
     rollout_logprobs: np.ndarray  # float32 [T], the engine's logprob where loss_mask is 1, else 0
     image_indices: list[int]  # which of the trajectory's images appear, in order
+    reply_starts: list[int] = field(default_factory=list)  # token offset of each trained reply, in turn order
 
     def __post_init__(self):
         if not (len(self.token_ids) == len(self.loss_mask) == len(self.rollout_logprobs)):
@@ -50,6 +51,7 @@ class Trajectory:
     lora_version: int
     truncated_replies: int = 0  # replies cut at max_new_tokens
     advantage: float = 0.0  # set by the driver from the group's rewards
+    states: list[str] = field(default_factory=list)  # the agent's cell ("row,col") as each turn's action was chosen
     extra: dict = field(default_factory=dict)
 
     @property
@@ -66,18 +68,23 @@ class Trajectory:
 
 
 def build_sequence(segments, first_new: int, image_offsets: list[int]) -> Sequence:
-    """Concatenates context segments; generated segments from index first_new on are trained (mask 1)."""
-    ids, mask, logps, image_indices = [], [], [], []
+    """Concatenates context segments; generated segments from index first_new on are trained (mask 1).
+
+    Each reply is trained in exactly one sequence, in turn order: a trajectory's sequences' reply_starts,
+    read in order, list its trained replies turn by turn (app.training maps per-turn advantages with them)."""
+    ids, mask, logps, image_indices, reply_starts = [], [], [], [], []
     image_iter = iter(image_offsets)
     for i, seg in enumerate(segments):
-        ids.extend(seg.token_ids)
         trained = seg.generated and i >= first_new and seg.logprobs is not None
+        if trained:
+            reply_starts.append(len(ids))
+        ids.extend(seg.token_ids)
         mask.extend([1 if trained else 0] * len(seg.token_ids))
         logps.extend(seg.logprobs if trained else [0.0] * len(seg.token_ids))
         for _ in seg.images:
             image_indices.append(next(image_iter))
     return Sequence(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8),
-                    np.asarray(logps, dtype=np.float32), image_indices)
+                    np.asarray(logps, dtype=np.float32), image_indices, reply_starts)
 
 
 def summarize(trajectories: list[Trajectory]) -> dict[str, float]:

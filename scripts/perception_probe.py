@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     from app.model import ensure_model
     from app.sampler import MazeSampler, eval_mazes
     from app.sft import export_full_model, perception_example
-    from app.training import PolicyTrainer, build_items
+    from app.train_batch import build_items
+    from app.training import PolicyTrainer
 
     torch.manual_seed(cfg.train.seed)
     torch.set_float32_matmul_precision("high")

@@ -28,7 +28,7 @@ from app.config import ConfigError, load_config  # noqa: E402
 
 def sampled_logprobs(trainer, items) -> tuple[torch.Tensor, torch.Tensor]:
     """The logprob of every sampled reply token of the batch under the trainer's current policy, and its mask."""
-    from app.training import micro_batches
+    from app.train_batch import micro_batches
 
     logps, masks = [], []
     batches = micro_batches(items, items, trainer.cfg.train.micro_batch)
@@ -43,7 +43,8 @@ def measure(config: str, overrides: list[str], model_dir: str, trajectories, lrs
             out: Path) -> list[dict]:
     """One update per rate, each from a fresh adapter (the same seed) on the same batch; rows also go to `out`."""
     from app.grpo import compute_advantages
-    from app.training import PolicyTrainer, build_items
+    from app.train_batch import build_items
+    from app.training import PolicyTrainer
 
     rows = []
     with out.open("w") as log:

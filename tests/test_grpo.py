@@ -88,7 +88,7 @@ def test_a_rank_without_sequences_still_runs_aligned_padding_passes():
     """Fewer sequences than ranks: the rank that owns none borrows one for zero-weight passes."""
     import torch
 
-    from app.training import TrainItem, micro_batches, shard
+    from app.train_batch import TrainItem, micro_batches, shard
 
     def item(n):
         return TrainItem(torch.ones(n, dtype=torch.long), torch.ones(n), torch.zeros(n), 1.0, [])

@@ -10,7 +10,8 @@ from app.episodes import EpisodeSettings
 from app.maze import generate_maze
 from app.rope_positions import batch_positions
 from app.sft import demonstration, perception_example
-from app.training import PolicyTrainer, build_items
+from app.train_batch import build_items
+from app.training import PolicyTrainer
 from tests.conftest import tiny_config
 
 

@@ -31,7 +31,8 @@ from app.model import ensure_model, load_processor  # noqa: E402
 from app.sampler import MazeSampler  # noqa: E402
 from app.sft import demonstration, perception_example  # noqa: E402
 from app import grpo  # noqa: E402
-from app.training import PolicyTrainer, build_items, micro_batches  # noqa: E402
+from app.train_batch import build_items, micro_batches  # noqa: E402
+from app.training import PolicyTrainer  # noqa: E402
 
 
 # now: host-made rotary positions + batched vision attention; model_pos: the model's own positions (before
