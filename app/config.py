@@ -155,7 +155,7 @@ class TrainConfig:
                                       "reward", gt=0.0, le=1.0)
     grad_clip: float = knob(1.0, "max global grad norm; 0 disables clipping", ge=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay", ge=0.0)
-    warmup_steps: int = knob(0, "linear LR warm-up steps", ge=0)
+    warmup_steps: int = knob(0, "linear LR warm-up over this many training steps (each of update_epochs passes)", ge=0)
     lr_schedule: Literal["constant", "cosine"] = knob("constant", "LR after warm-up")
     seed: int = knob(42, "seed of the maze sampler, sampling and LoRA init")
 

@@ -180,9 +180,13 @@ class PolicyTrainer:
                                           float((entropy.cpu() * mask.cpu()).sum()), float(diff.sum()),
                                           0.0, terms.loss.item() * self.world], dtype=torch.float64)
                     sums[5] = max(sums[5].item(), float(diff.max()) if diff.numel() else 0.0)
-            grad_norm = self._clip_and_step(self.optimizer, self.scheduler)
+            grad_norm = self._clip_and_step(self.optimizer)
+        # once a training step, not once a pass: warmup_steps and the cosine span count training steps, whatever
+        # update_epochs is (stepped per pass, two passes halved the warm-up of the tenth GPU attempt)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trained at (the scheduler moves on next)
+        self.scheduler.step()
         self.steps_done += 1
-        metrics = self._metrics(sums, moved, grad_norm, result, len(items), time.perf_counter() - t0)
+        metrics = self._metrics(sums, moved, grad_norm, lr, result, len(items), time.perf_counter() - t0)
         if steps is not None:
             turns = max(sum(len(t.states) for t in trajectories), 1)
             metrics.update(step_anchor_groups=steps.anchor_groups,
@@ -227,13 +231,11 @@ class PolicyTrainer:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _clip_and_step(self, optimizer, scheduler=None) -> float:
+    def _clip_and_step(self, optimizer) -> float:
         limit = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, limit)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
@@ -245,8 +247,8 @@ class PolicyTrainer:
             t = on_device.to(t.device)
         return t
 
-    def _metrics(self, sums: torch.Tensor, moved: torch.Tensor, grad_norm: float, result: grpo.AdvantageResult,
-                 sequences: int, seconds: float) -> dict:
+    def _metrics(self, sums: torch.Tensor, moved: torch.Tensor, grad_norm: float, lr: float,
+                 result: grpo.AdvantageResult, sequences: int, seconds: float) -> dict:
         mismatch_max = self._all_reduce(sums[5:6].clone().float(), "max").item()
         s, last = self._all_reduce(sums.clone()), self._all_reduce(moved.clone())
         tokens, last_tokens = max(s[2].item(), 1.0), max(last[2].item(), 1.0)
@@ -255,7 +257,7 @@ class PolicyTrainer:
             "entropy": s[3].item() / tokens,
             "clip_fraction": last[0].item() / last_tokens, "update_kl": last[1].item() / last_tokens,
             "logprob_mismatch_mean": s[4].item() / tokens, "logprob_mismatch_max": mismatch_max,
-            "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "trained_tokens": s[2].item(),
+            "grad_norm": grad_norm, "lr": lr, "trained_tokens": s[2].item(),
             "groups": result.groups, "zero_variance_groups": result.zero_variance_groups,
             "sequences_this_rank": sequences, "train_step_s": seconds,
         }

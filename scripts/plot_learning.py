@@ -56,13 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft", action="append", default=[], help="NAME=PATH of a warm-start SFT log, before zero")
     ap.add_argument("--start-step", type=int, help="the GRPO start's step in the last --sft log: its curve ends there, "
                     "at zero (by default it ends with the log)")
+    ap.add_argument("--grpo-label", default="GRPO (LoRA r32, 16 mazes x 8 samples a step)", help="the GRPO curve's name")
     ap.add_argument("--target", type=float, default=0.95, help="the target line (share of solvable mazes)")
     args = ap.parse_args(argv)
     fig = Figure(figsize=(9, 4.8))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     grpo, control = grpo_curve(args.grpo), sft_curve(args.control)
-    ax.plot(*zip(*grpo), "o-", label="GRPO (LoRA r32, 16 mazes x 8 samples a step)")
+    ax.plot(*zip(*grpo), "o-", label=args.grpo_label)
     ax.plot(*zip(*control), ".-", alpha=0.7, label="control: the same checkpoint's SFT continued")
     shift = 0.0
     for i, spec in enumerate(reversed(args.sft)):

@@ -66,3 +66,14 @@ def test_update_size_script_measures_more_drift_at_a_higher_rate(tiny_model_dir,
     assert 0.0 < gentle["step_kl"] < bold["step_kl"] and gentle["update_kl"] < bold["update_kl"]
     assert gentle["moved_10pct"] <= bold["moved_10pct"] and bold["moved_10pct"] > 0.0
     assert all(r["groups"] == 2 and r["zero_variance_groups"] == 0 for r in rows)
+
+
+def test_the_learning_rate_schedule_counts_training_steps_not_passes(tiny_model_dir, batch):
+    """Warm-up over 4 training steps at two passes a step: 1/4, 2/4, 3/4 of the rate, then all of it. Stepped once
+    a pass, the schedule had reached the full rate at the second step (the tenth GPU attempt's warm-up)."""
+    from app.training import PolicyTrainer
+
+    trainer = PolicyTrainer(tiny_config("train.micro_batch=8", "train.update_epochs=2", "train.lr=1e-3",
+                                        "train.warmup_steps=4"), tiny_model_dir)
+    rates = [trainer.train_step(batch)["lr"] for _ in range(5)]
+    assert rates == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
