@@ -151,6 +151,9 @@ class TrainConfig:
     step_advantage_weight: float = knob(0.0, "weight of each turn's anchor-state advantage (GiGPO: its return compared "
                                              "with the group's other turns from the same cell) added to the episode's; "
                                              "0 is plain GRPO", ge=0.0)
+    step_advantage_mode: Literal["grpo", "drgrpo"] = knob("grpo", "how a turn's return is compared within its anchor "
+                                                         "group: grpo divides by the group's std (returns 0.95^10 and "
+                                                         "0.95^11 become -1 and +1), drgrpo only centres it")
     step_discount: float = knob(0.95, "discount of a turn's return for the step advantage: gamma^(turns after it) x "
                                       "reward", gt=0.0, le=1.0)
     grad_clip: float = knob(1.0, "max global grad norm; 0 disables clipping", ge=0.0)

@@ -74,6 +74,7 @@ def advantages_for(train, trajectories) -> tuple[grpo.AdvantageResult, StepAdvan
     result = grpo.compute_advantages(groups, rewards, train.advantage, train.drop_zero_variance_groups)
     if not train.step_advantage_weight:
         return result, None
-    steps = step_advantages(groups, rewards, [t.states for t in trajectories], train.step_discount, train.advantage)
+    steps = step_advantages(groups, rewards, [t.states for t in trajectories], train.step_discount,
+                            train.step_advantage_mode)
     keep = [k or steps.has_signal(i) for i, k in enumerate(result.keep)]
     return grpo.AdvantageResult(result.advantages, keep, result.groups, result.zero_variance_groups), steps

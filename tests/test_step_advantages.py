@@ -134,6 +134,22 @@ def test_a_group_that_all_solved_is_kept_only_when_its_turns_differ(all_solved_g
     assert steps.per_turn[0][0] > 0 > steps.per_turn[1][0]  # the first move beats the bump from the start cell
 
 
+def test_the_step_advantage_mode_decides_whether_a_one_turn_difference_weighs_as_much_as_solving(all_solved_group):
+    """Two solved runs, one a bump longer: divided by their anchor group's spread, the one-turn difference becomes
+    advantages of order 1, as large as a solved run's against a failed one (the tenth GPU attempt's large updates);
+    centred only, it stays the size of the returns' difference."""
+    runs, _, _ = all_solved_group
+    train = dataclasses.replace(tiny_config().train, step_advantage_weight=1.0, step_discount=0.95)
+    normalised = advantages_for(train, runs)[1].per_turn
+    centred = advantages_for(dataclasses.replace(train, step_advantage_mode="drgrpo"), runs)[1].per_turn
+    # the start cell's anchor group: the direct run's first turn, the bump, and the turn after it (still there)
+    assert normalised[0][0] == pytest.approx(2 ** -0.5, rel=1e-3) and normalised[1][0] == pytest.approx(-2 ** 0.5, rel=1e-3)
+    assert 0 < centred[0][0] < 0.05 and -0.05 < centred[1][0] < 0
+    assert tiny_config("train.step_advantage_mode=drgrpo").train.step_advantage_mode == "drgrpo"
+    with pytest.raises(Exception, match="step_advantage_mode"):
+        tiny_config("train.step_advantage_mode=centred")
+
+
 def test_a_training_step_moves_the_first_move_up_and_the_bump_down(tiny_model_dir, codec, all_solved_group):
     from app.training import PolicyTrainer
 
