@@ -25,7 +25,10 @@
 #   bash scripts/gpu/learn.sh grpo OUT WORK MINUTES
 #       GRPO (app.main, vLLM rollouts, LoRA r32) from the chosen checkpoint, resuming from its latest
 #       checkpoint when WORK holds one; beside it on the same GPU the control: the same checkpoint's SFT
-#       continued for the same wall time (continuing the previous control when there is one).
+#       continued for the same wall time (continuing the previous control when there is one). The stage takes
+#       ~MINUTES + 1.7 minutes (engine start, the control's last evaluation and save; 5.0 took 403 s): in a
+#       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
+#       before the table printed).
 #   bash scripts/gpu/learn.sh pack OUT WORK
 #       what a fresh machine needs to go on with GRPO and its control where this one stopped (choice.env, the start
 #       model, the latest GRPO checkpoint and metrics, the controls' logs and latest model) as OUT/state.tar.* pieces
