@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from app import dialogue
+from app.config import ConfigError
 from app.episodes import EpisodeRequest, EpisodeSettings, RunningEpisode
 from app.maze import DIRECTION_OFFSETS, Action, generate_maze
 from app.sft import demonstration, solver_action
@@ -146,7 +147,7 @@ def test_the_step_advantage_mode_decides_whether_a_one_turn_difference_weighs_as
     assert normalised[0][0] == pytest.approx(2 ** -0.5, rel=1e-3) and normalised[1][0] == pytest.approx(-2 ** 0.5, rel=1e-3)
     assert 0 < centred[0][0] < 0.05 and -0.05 < centred[1][0] < 0
     assert tiny_config("train.step_advantage_mode=drgrpo").train.step_advantage_mode == "drgrpo"
-    with pytest.raises(Exception, match="step_advantage_mode"):
+    with pytest.raises(ConfigError, match="step_advantage_mode"):
         tiny_config("train.step_advantage_mode=centred")
 
 
