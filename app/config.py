@@ -156,6 +156,9 @@ class TrainConfig:
                                                          "0.95^11 become -1 and +1), drgrpo only centres it")
     step_discount: float = knob(0.95, "discount of a turn's return for the step advantage: gamma^(turns after it) x "
                                       "reward", gt=0.0, le=1.0)
+    max_update_kl: float = knob(0.0, "bound on how far one training step moves the policy: k3 KL(before || after) on "
+                                     "its batch, token mean; a step past it is shrunk by halves until it fits, and "
+                                     "further passes are skipped (app/trust_region.py); 0 leaves steps unbounded", ge=0.0)
     grad_clip: float = knob(1.0, "max global grad norm; 0 disables clipping", ge=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay", ge=0.0)
     warmup_steps: int = knob(0, "linear LR warm-up over this many training steps (each of update_epochs passes)", ge=0)

@@ -35,6 +35,8 @@ EXPORTED = {
     "train_kl": "KL to the reference policy (adapter disabled), token mean",
     "train_clip_fraction": "share of tokens whose ratio was clipped in the step's last pass (0 with update_epochs 1)",
     "train_update_kl": "k3 KL(pre-update || current policy) in the step's last pass, token mean: how far it moved",
+    "train_step_kl": "k3 KL(policy before the step || after it) on its batch, token mean (train.max_update_kl > 0)",
+    "train_update_scale": "share of the optimizer's last step kept under train.max_update_kl (1 whole, 0 dropped)",
     "train_entropy": "policy entropy on trained tokens",
     "train_step_anchored_turn_share": "share of training turns compared with other turns from the same cell "
                                       "(train.step_advantage_weight > 0)",

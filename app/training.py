@@ -24,6 +24,7 @@ from app.rope_positions import batch_positions
 from app.step_advantages import advantages_for
 from app.train_batch import TrainItem, advantage_table, build_items, micro_batches, shard
 from app.trajectory import Trajectory
+from app.trust_region import bounded_step
 
 
 class PolicyTrainer:
@@ -150,15 +151,18 @@ class PolicyTrainer:
         # the last pass's clipped tokens, k3(old || current) and tokens: in the first pass the ratio is 1 by
         # construction, so only a later pass shows how far the update moved the policy and what the clip cut
         moved = torch.zeros(3, dtype=torch.float64)
-        grad_norm = 0.0
+        grad_norm, bound = 0.0, None
         old = [None] * passes
         if cfg.update_epochs > 1:  # the update changes the policy: freeze the pre-update logprobs first
             old = [self.token_logprobs(batches.get(i)[0], with_grad=False)[0] for i in range(passes)]
         for epoch in range(cfg.update_epochs):
+            moved.zero_()  # what the last pass run shows (passes may stop early under max_update_kl)
             for i in range(passes):
                 batch, weight = batches.get(i)  # weight 0: a padding pass that keeps collectives aligned
                 logp, entropy, mask, wanted = self.token_logprobs(batch, with_grad=True)
                 old_logp = logp.detach() if old[i] is None else old[i]
+                if cfg.max_update_kl > 0 and old[i] is None:  # the first pass runs before any step: pre-update
+                    old[i] = old_logp
                 adv = advantage_table(batch)[:, wanted + 1].to(logp.device)
                 ref = None
                 if self.cfg.train.kl_coef > 0:
@@ -168,7 +172,7 @@ class PolicyTrainer:
                 if self.distributed and hasattr(self.model, "set_requires_gradient_sync"):
                     self.model.set_requires_gradient_sync(i == passes - 1)
                 terms.loss.backward()
-                if epoch == cfg.update_epochs - 1 and weight:
+                if weight:
                     drift = (grpo.kl_k3(old_logp, logp.detach()) * mask).sum().item() if old[i] is not None else 0.0
                     moved += torch.tensor([terms.clipped.item(), drift, terms.tokens], dtype=torch.float64)
                 if epoch == 0 and weight:
@@ -180,7 +184,15 @@ class PolicyTrainer:
                                           float((entropy.cpu() * mask.cpu()).sum()), float(diff.sum()),
                                           0.0, terms.loss.item() * self.world], dtype=torch.float64)
                     sums[5] = max(sums[5].item(), float(diff.max()) if diff.numel() else 0.0)
-            grad_norm = self._clip_and_step(self.optimizer)
+            if cfg.max_update_kl <= 0:
+                grad_norm = self._clip_and_step(self.optimizer)
+                continue
+            norms = []
+            bound = bounded_step(self.params, lambda: norms.append(self._clip_and_step(self.optimizer)),
+                                 lambda: self._drift(batches, old, passes), cfg.max_update_kl)
+            grad_norm = norms[0]
+            if bound.halvings:  # at the bound already: a further pass could only be shrunk back to it
+                break
         # once a training step, not once a pass: warmup_steps and the cosine span count training steps, whatever
         # update_epochs is (stepped per pass, two passes halved the warm-up of the tenth GPU attempt)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trained at (the scheduler moves on next)
@@ -193,7 +205,22 @@ class PolicyTrainer:
                            step_informative_anchor_groups=steps.informative_anchor_groups,
                            step_anchored_turn_share=steps.anchored_turns / turns)
         metrics["forward_tokens"] = forward_tokens * cfg.update_epochs  # every position, every pass (for MFU)
+        if bound is not None:
+            metrics.update(step_kl=bound.kl, update_scale=bound.scale, update_halvings=bound.halvings,
+                           passes_done=epoch + 1)
         return metrics
+
+    def _drift(self, batches, old: list[torch.Tensor], passes: int) -> float:
+        """k3 KL(pre-update policy || current one), token mean over the step's trained tokens on every rank.
+        Every rank runs all its passes, padding ones included: FSDP2's forward gathers parameters collectively."""
+        s = torch.zeros(2, dtype=torch.float64)
+        for i in range(passes):
+            batch, weight = batches.get(i)
+            logp, _, mask, _ = self.token_logprobs(batch, with_grad=False)
+            s += torch.tensor([float((grpo.kl_k3(old[i], logp) * mask * weight).sum()), float((mask * weight).sum())],
+                              dtype=torch.float64)
+        s = self._all_reduce(s)
+        return s[0].item() / max(s[1].item(), 1.0)
 
     def sft_step(self, demonstrations: list[Trajectory], lr: float) -> dict:
         """One supervised step: token-mean negative log-likelihood of the demonstrated replies."""

@@ -108,6 +108,40 @@ def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_p
         shutdown(actors)
 
 
+
+def test_bounded_steps_on_two_fsdp_ranks_fit_the_bound_in_lockstep(ray_cluster, tmp_path):
+    """train.max_update_kl under FSDP2: both ranks measure the same all-reduced KL, halve the same step the same
+    number of times (their collectives would hang otherwise), and the kept step fits the bound."""
+    import dataclasses
+
+    import ray
+
+    from actors.rollout import lora_checksum
+    from app.driver import absolute_paths, rollout_phase, shutdown, spawn, sync_lora
+    from app.sampler import MazeSampler
+    from placement.plan import make_plan
+
+    bound = 1e-5
+    cfg = absolute_paths(tiny_config(f"output_dir={tmp_path}", *FAST, "train.update_epochs=2", "train.lr=0.05",
+                                     f"train.max_update_kl={bound}"))
+    actors = spawn(cfg, make_plan(cfg))
+    try:
+        initial = [t.lora.remote() for t in actors.trainers][0]  # a collective: every rank is called at once
+        sync_lora(actors, initial, 0)
+        _, refs = rollout_phase(actors, MazeSampler(cfg.train.seed, 8, cfg.maze.size, set()).next(2), cfg, 1)
+        # rewards 0 and 1 within each group, so that the step has a gradient to follow (a random policy earns none)
+        rewarded = [ray.put([dataclasses.replace(t, reward=float(t.sample % 2)) for t in batch]) for batch in ray.get(refs)]
+        results = [t.step.remote(rewarded, 1) for t in actors.trainers]
+        metrics = ray.get([m for m, _ in results])
+        moved = {k: [m[k] for m in metrics] for k in ("step_kl", "update_scale", "update_halvings", "passes_done")}
+        assert all(len(set(v)) == 1 for v in moved.values()), moved  # in lockstep
+        assert metrics[0]["grad_norm"] > 0 and metrics[0]["update_halvings"] >= 1
+        assert metrics[0]["step_kl"] <= bound and metrics[0]["update_scale"] < 1.0 and metrics[0]["passes_done"] == 1
+        after = lora_checksum(ray.get(results[0][1]))
+        assert (after != lora_checksum(ray.get(initial))) == (metrics[0]["update_scale"] > 0)  # a kept share moves the adapter, a dropped one not
+    finally:
+        shutdown(actors)
+
 def test_plan_prints_placement_without_starting_anything():
     out = subprocess.run([sys.executable, "-m", "app.main", "configs/tiny.yaml", "--plan"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)

@@ -77,3 +77,32 @@ def test_the_learning_rate_schedule_counts_training_steps_not_passes(tiny_model_
                                         "train.warmup_steps=4"), tiny_model_dir)
     rates = [trainer.train_step(batch)["lr"] for _ in range(5)]
     assert rates == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+
+
+def test_max_update_kl_bounds_how_far_a_step_moves_the_policy(tiny_model_dir, batch):
+    """A bold step (lr 0.05, three passes), measured unbounded, then bounded at a tenth of that move: the
+    bounded step fits, keeps a halved share of its last optimizer step, and skips the passes after it."""
+    free = train_once(tiny_model_dir, batch, "train.update_epochs=3", "train.lr=0.05", "train.max_update_kl=1e9")
+    assert (free["update_scale"], free["update_halvings"], free["passes_done"]) == (1.0, 0, 3)
+    assert free["step_kl"] > 0.0
+    cap = free["step_kl"] / 10
+    bounded = train_once(tiny_model_dir, batch, "train.update_epochs=3", "train.lr=0.05", f"train.max_update_kl={cap}")
+    assert 0.0 < bounded["step_kl"] <= cap
+    assert 0.0 < bounded["update_scale"] < 1.0 and bounded["update_halvings"] >= 1
+    assert bounded["passes_done"] < 3
+
+
+def test_max_update_kl_with_one_pass_measures_against_the_rollout_time_policy(tiny_model_dir, batch):
+    """One pass has no pre-update logprobs computed apart; the bound takes them from the pass itself."""
+    loose = train_once(tiny_model_dir, batch, "train.update_epochs=1", "train.lr=0.05", "train.max_update_kl=1e9")
+    assert loose["step_kl"] > 0.0 and loose["update_scale"] == 1.0
+    tight = train_once(tiny_model_dir, batch, "train.update_epochs=1", "train.lr=0.05",
+                       f"train.max_update_kl={loose['step_kl'] / 3}")
+    assert 0.0 <= tight["step_kl"] <= loose["step_kl"] / 3 and tight["update_scale"] < 1.0
+
+
+def test_max_update_kl_must_not_be_negative():
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_update_kl"):
+        tiny_config("train.max_update_kl=-0.1")
