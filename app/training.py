@@ -189,7 +189,8 @@ class PolicyTrainer:
                 continue
             norms = []
             bound = bounded_step(self.params, lambda: norms.append(self._clip_and_step(self.optimizer)),
-                                 lambda: self._drift(batches, old, passes), cfg.max_update_kl)
+                                 lambda: self._drift(batches, old, passes), cfg.max_update_kl,
+                                 kl_before=bound.kl if bound is not None else 0.0)
             grad_norm = norms[0]
             if bound.halvings:  # at the bound already: a further pass could only be shrunk back to it
                 break

@@ -24,15 +24,16 @@ MAX_HALVINGS = 6
 
 @dataclass(frozen=True)
 class BoundedStep:
-    kl: float          # k3 KL(before || after) of the kept step, token mean (0.0 when the step was dropped)
+    kl: float          # k3 KL(reference || after) once the step is kept (kl_before when it was dropped)
     scale: float       # share of the optimizer's step kept: 1.0, 0.5, 0.25 ... or 0.0 when dropped
     halvings: int      # how many times the step was halved
 
 
 def bounded_step(params: Sequence[torch.Tensor], step: Callable[[], None], measure: Callable[[], float],
-                 max_kl: float) -> BoundedStep:
+                 max_kl: float, kl_before: float = 0.0) -> BoundedStep:
     """Runs `step` (the optimizer's), then shrinks its move of `params` until `measure()` (the KL of the
-    policy now to the policy before the step) is at most `max_kl`.
+    policy now to a reference: the policy before the training step, whose earlier passes may have moved it
+    already, by `kl_before`) is at most `max_kl`.
 
     `measure` must give every rank the same number (all-reduced), so that ranks halve in lockstep; FSDP2's
     sharded parameters (DTensors) are moved shard by shard, which needs no collective.
@@ -52,7 +53,7 @@ def bounded_step(params: Sequence[torch.Tensor], step: Callable[[], None], measu
         kl = measure()
     if kl > max_kl:
         _place(params, before, after, 0.0)
-        return BoundedStep(0.0, 0.0, halvings)
+        return BoundedStep(kl_before, 0.0, halvings)
     return BoundedStep(kl, scale, halvings)
 
 

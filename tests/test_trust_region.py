@@ -65,3 +65,12 @@ def test_several_parameters_shrink_together_and_keep_their_dtype():
     assert (out.scale, out.halvings) == (0.25, 2)
     assert a.dtype == torch.bfloat16 and a.tolist() == [0.25] * 3
     assert b.tolist() == [[0.5, 0.5], [0.5, 0.5]]
+
+
+def test_a_dropped_later_step_reports_the_move_the_earlier_passes_kept():
+    """Under several passes the reference is the policy before the training step: dropping the second pass's
+    optimizer step leaves the first pass's move, whose KL the caller passes in."""
+    p, step, measure = quadratic_setup(1.0, 2.0)
+    out = bounded_step([p], step, lambda: measure() + 1.0, max_kl=0.5, kl_before=0.3)
+    assert (out.scale, out.kl) == (0.0, 0.3)
+    assert p.tolist() == [1.0, -1.0]
