@@ -182,3 +182,45 @@ def test_choose_seeing_takes_the_best_saved_variant(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "a"
     assert choose_main([str(tmp_path), str(c)]) == 1
     assert choose_main(["--passed", "0.1", str(tmp_path / "see_none.jsonl")]) == 1  # no log yet: not passed
+
+
+def test_learn_grpo_goes_on_without_cuda_graphs_when_the_run_with_them_fails(sft_then_grpo, tmp_path):
+    _, work, _ = sft_then_grpo
+    copy = tmp_path / "work"
+    shutil.copytree(work, copy)
+    # a python on PATH whose app.main fails unless CUDA graphs were turned off: the first run fails at start, as an
+    # engine that cannot capture graphs would
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ " $* " == *" -m app.main "* && " $* " != *" rollout.enforce_eager=true "* ]]; then '
+        'echo "engine failed to capture CUDA graphs"; exit 1; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    (shim / "python").chmod(0o755)
+    out = tmp_path / "out"
+    done = run_script(["scripts/gpu/learn.sh", "grpo", str(out), str(copy), "4"], CONFIG="configs/tiny.yaml",
+                      DEVICE="cpu", EVAL_EVERY="1", PATH=f"{shim}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                      EXTRA=f"sft.steps=2 train.max_steps=2 rollout.enforce_eager=false {SMOKE}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "again without CUDA graphs" in done.stdout
+    log = (out / "grpo_2.log").read_text()
+    assert "engine failed to capture CUDA graphs" in log and "resuming from checkpoint" in log  # both tries logged
+    grpo = [json.loads(line) for line in (out / "grpo_metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in grpo if "train_loss" in m] == [1, 2]
+
+
+def test_profile_summary_counts_inclusive_and_self_samples(tmp_path):
+    from scripts.profile_summary import read_stacks, summarize
+
+    text = ("<module> (main.py:1);play_episodes (/a/app/episodes.py:150);generate (/a/vllm.py:120) 30\n"
+            "<module> (main.py:1);play_episodes (/a/app/episodes.py:151);advance (/a/app/episodes.py:99) 10\n"
+            "<module> (main.py:1);wait (threading.py:300) 60\n"
+            "not a stack line\n")
+    stacks = read_stacks(text)
+    assert len(stacks) == 3 and stacks[0][0][1] == "play_episodes (episodes.py)"
+    whole = summarize(stacks)
+    assert whole["samples"] == 100 and whole["inclusive"]["play_episodes (episodes.py)"] == 40
+    assert whole["self"]["wait (threading.py)"] == 60
+    rollout = summarize(stacks, under="play_episodes")
+    assert rollout["samples"] == 40 and rollout["self"]["generate (vllm.py)"] == 30

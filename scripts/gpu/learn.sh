@@ -193,9 +193,34 @@ control=$!
     cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl" 2>/dev/null
   done ) &
 copier=$!
-timeout "$(python3 -c "print(int($MINUTES * 60 + 90))")" python -m app.main "$CFG" run_name=learn "${OVR[@]}" model.path="$WORK/$START" \
-  output_dir="$WORK/runs" "${EXTRA[@]}" sft.steps=0 > "$OUT/grpo_$((n + 1)).log" 2>&1
-echo "app.main exit code $?"
+if [ -n "${PROFILE_AFTER:-}" ] && command -v py-spy > /dev/null; then
+  # PROFILE_AFTER=S: S seconds in, sample the rollout actor and trainer rank 0 for PROFILE_SECONDS (45) with py-spy
+  # (collapsed stacks, idle frames included: waits on the GPU show where they happen); scripts/profile_summary.py
+  # reads them
+  ( sleep "$PROFILE_AFTER"
+    for actor in RolloutActor TrainerActor; do
+      pid=$(pgrep -f "ray::$actor" | head -1)
+      [ -n "$pid" ] && py-spy record --pid "$pid" --duration "${PROFILE_SECONDS:-45}" --rate 100 --idle --nonblocking \
+        --format raw --output "$OUT/profile_$actor.txt" > "$WORK/profile_$actor.log" 2>&1 &
+    done; wait ) &
+fi
+grpo_call() {  # the GRPO run for $1 minutes, with any further overrides after it
+  local minutes=$1; shift
+  timeout "$(python3 -c "print(int($minutes * 60 + 90))")" python -m app.main "$CFG" run_name=learn "${OVR[@]}" \
+    model.path="$WORK/$START" output_dir="$WORK/runs" "${EXTRA[@]}" sft.steps=0 "$@" >> "$OUT/grpo_$((n + 1)).log" 2>&1
+}
+t_grpo=$(date +%s)
+grpo_call "$MINUTES"
+code=$?
+echo "app.main exit code $code"
+left=$(python3 -c "print(round($MINUTES - ($(date +%s) - $t_grpo) / 60, 2))")
+if [ "$code" != 0 ] && [[ " ${EXTRA[*]} " == *" rollout.enforce_eager=false "* ]] \
+   && python3 -c "import sys; sys.exit(0 if $left > 2 else 1)"; then
+  # CUDA graphs are an optimisation: an engine that fails with them goes on without, for the minutes left
+  echo "GRPO failed with rollout.enforce_eager=false; again without CUDA graphs for $left minutes"
+  grpo_call "$left" rollout.enforce_eager=true
+  echo "app.main exit code $?"
+fi
 wait $control
 kill $copier
 cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl"
