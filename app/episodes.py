@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from PIL import Image
+
 from app import dialogue
 from app.encoding import ChatCodec, Segment, as_image, image_to_png
 from app.engines.base import Engine, Prompt, Sampling
-from app.maze import DIRECTION_NAMES, INVALID_ACTION_FEEDBACK, OUT_OF_TURNS_SUFFIX, Maze, MazeEpisode, wall_feedback
+from app.maze import (DIRECTION_NAMES, INVALID_ACTION_FEEDBACK, OUT_OF_TURNS_SUFFIX, Cell, Maze, MazeEpisode, render,
+                      wall_feedback)
 from app.trajectory import Trajectory, build_sequence
 
 
@@ -34,16 +37,39 @@ class EpisodeRequest:
     sample: int = 0
 
 
+class Pictures:
+    """Each (maze, cell) picture rendered and PNG-encoded once, however many episodes stand there.
+
+    The 8 runs of a group play one maze, so a rollout shows ~2.3k pictures of only ~400 distinct states; PNG
+    encoding alone was 16% of a GPU rollout's time (py-spy, docs/BENCHMARKS.md, twelfth run). The images are
+    shared read-only: nothing downstream draws on them.
+    """
+
+    def __init__(self, cell_px: int):
+        self.cell_px = cell_px
+        self._made: dict[tuple[str, Cell], tuple[Image.Image, bytes]] = {}
+
+    def of(self, maze: Maze, cell: Cell) -> tuple[Image.Image, bytes]:
+        key = (maze.identity, tuple(cell))
+        made = self._made.get(key)
+        if made is None:
+            image = as_image(render(maze, cell, self.cell_px))
+            made = self._made[key] = (image, image_to_png(image))
+        return made
+
+
 class RunningEpisode:
     """One episode in flight: the maze, the full segment history, and the current context view."""
 
-    def __init__(self, request: EpisodeRequest, codec: ChatCodec, settings: EpisodeSettings):
+    def __init__(self, request: EpisodeRequest, codec: ChatCodec, settings: EpisodeSettings,
+                 pictures: Pictures | None = None):
         self.request, self.codec, self.settings = request, codec, settings
+        self.pictures = pictures or Pictures(settings.cell_px)
         self.env = MazeEpisode(request.maze, settings.max_turns)
-        image = as_image(self.env.image(settings.cell_px))
+        image, png = self.pictures.of(self.env.maze, self.env.position)
         self.history: list[Segment] = [codec.opening(image, settings.max_turns, settings.maze_size, self._where())]
         self.image_count = 1
-        self.pngs = [image_to_png(image)]
+        self.pngs = [png]
         self.first_trained = 0  # history index from which generated segments belong to the current sequence
         self.sequences = []
         self.replies: list[str] = []
@@ -103,7 +129,7 @@ class RunningEpisode:
         if result.done:
             self._close_sequence()
             return
-        image = as_image(self.env.image(self.settings.cell_px))
+        image, png = self.pictures.of(self.env.maze, self.env.position)
         observation = codec.observation(image, result.feedback, self.env.turns_left, close_turn=not closed_by_model,
                                         where=self._where())
         k = self.settings.image_history
@@ -115,7 +141,7 @@ class RunningEpisode:
             self.first_trained = len(self.history) + 1
         self.history.append(observation)
         self.image_count += 1
-        self.pngs.append(image_to_png(image))
+        self.pngs.append(png)
 
     def trajectory(self, lora_version: int) -> Trajectory:
         maze, env = self.request.maze, self.env
@@ -132,7 +158,8 @@ class RunningEpisode:
 def play_episodes(engine: Engine, codec: ChatCodec, requests: list[EpisodeRequest], settings: EpisodeSettings,
                   sampling: Sampling) -> list[Trajectory]:
     """Plays every request to its end; trajectories come back in request order."""
-    running = [RunningEpisode(r, codec, settings) for r in requests]
+    pictures = Pictures(settings.cell_px)
+    running = [RunningEpisode(r, codec, settings, pictures) for r in requests]
     active = list(range(len(running)))
     turn = 0
     while active:

@@ -194,3 +194,18 @@ def test_a_turn_window_keeps_the_task_the_last_turns_and_the_current_picture(cod
         ids = s.token_ids.tolist()
         first = s.loss_mask.tolist().index(1)
         assert any(ids[:first] == list(p[1:]) and ids[first:] == list(g) for p, g in engine.log)
+
+
+def test_every_picture_shows_the_cell_its_turn_was_played_in_and_is_made_once_per_state(codec):
+    from app.maze import render
+
+    engine = ScriptedEngine(codec, seed=11)
+    reqs = requests(24)
+    trajectories = play_episodes(engine, codec, reqs, settings(1, turns=8), Sampling(12))
+    pngs = [png for t in trajectories for png in t.images]
+    states = {(t.maze_id, cell) for t in trajectories for cell in t.states}
+    assert len({id(png) for png in pngs}) == len(states) < len(pngs)  # one encoding per (maze, cell), shared
+    for request, t in zip(reqs, trajectories):
+        for png, cell in zip(t.images, t.states):
+            row, col = map(int, cell.split(","))
+            assert np.array_equal(np.asarray(png_to_image(png)), render(request.maze, (row, col), 32))

@@ -28,7 +28,9 @@
 #       continued for the same wall time (continuing the previous control when there is one). The stage takes
 #       ~MINUTES + 1.7 minutes (engine start, the control's last evaluation and save; 5.0 took 403 s): in a
 #       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
-#       before the table printed).
+#       before the table printed). With rollout.enforce_eager=false in EXTRA, a GRPO run that fails goes on without
+#       CUDA graphs for the minutes left. PROFILE_AFTER=S: py-spy samples of the rollout actor and trainer rank 0,
+#       S seconds in, into OUT/profile_*.txt (scripts/profile_summary.py reads them).
 #   bash scripts/gpu/learn.sh pack OUT WORK
 #       what a fresh machine needs to go on with GRPO and its control where this one stopped (choice.env, the start
 #       model, the latest GRPO checkpoint and metrics, the controls' logs and latest model) as OUT/state.tar.* pieces
