@@ -159,6 +159,9 @@ class TrainConfig:
     max_update_kl: float = knob(0.0, "bound on how far one training step moves the policy: k3 KL(before || after) on "
                                      "its batch, token mean; a step past it is shrunk by halves until it fits, and "
                                      "further passes are skipped (app/trust_region.py); 0 leaves steps unbounded", ge=0.0)
+    entropy_coef: float = knob(0.0, "weight of an entropy bonus on the trained tokens (token mean, at the sampling "
+                                    "temperature): keeps the spread between a group's runs that gives GRPO its signal, "
+                                    "which collapsed in the GPU runs (docs/RESULTS.md, twelfth attempt); 0 skips it", ge=0.0)
     grad_clip: float = knob(1.0, "max global grad norm; 0 disables clipping", ge=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay", ge=0.0)
     warmup_steps: int = knob(0, "linear LR warm-up over this many training steps (each of update_epochs passes)", ge=0)

@@ -4,7 +4,8 @@ Advantages compare the samples of the SAME maze: A = (r - mean) / (std + eps) ov
 samples (`grpo`), or r - mean (`drgrpo`, Dr. GRPO's unbiased variant). A group whose samples all earned
 the same reward carries no signal; it is counted, and dropped when asked. The loss is PPO's clipped
 surrogate on the sampled tokens, averaged over every trained token of the whole batch (token-mean),
-plus an optional k3 KL to the reference policy (the same model with the adapter disabled).
+plus an optional k3 KL to the reference policy (the same model with the adapter disabled), minus an optional
+entropy bonus.
 """
 
 from __future__ import annotations
@@ -71,12 +72,14 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float, clip_high: float, total_tokens: float,
-                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0) -> LossTerms:
+                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0) -> LossTerms:
     """PPO clipped surrogate, token-mean over `total_tokens` (the whole batch, across ranks).
 
     All tensors have the same shape; `advantages` is the trajectory's advantage broadcast to its
     tokens; `mask` is 1 on trained tokens. The sum over a micro-batch divided by the batch's token
-    count makes micro-batches add up to the token-mean of the batch.
+    count makes micro-batches add up to the token-mean of the batch. `entropy` (with its graph) is the policy's
+    entropy at each position; `entropy_coef` > 0 rewards keeping it.
     """
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
@@ -90,4 +93,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if ref_logp is not None and kl_coef > 0:
         kl = (kl_k3(logp, ref_logp) * mask).sum()
         loss = loss + kl_coef * kl
+    if entropy is not None and entropy_coef > 0:
+        loss = loss - entropy_coef * (entropy * mask).sum()
     return LossTerms(loss / total_tokens, pg.detach(), kl.detach(), was_clipped.detach(), int(mask.sum().item()))

@@ -105,9 +105,10 @@ class PolicyTrainer:
         return {k: v.to(self.device) for k, v in inputs.items()}, ids, mask
 
     def token_logprobs(self, batch: list[TrainItem], with_grad: bool, adapter: bool = True,
-                       temperature: float | None = None):
+                       temperature: float | None = None, entropy_grad: bool = False):
         """(logp, entropy, mask, positions): per trained position, under the sampling distribution
         (rollout.temperature; SFT passes 1.0: it fits the model's own distribution, whatever the sampling).
+        The entropy keeps its graph with `entropy_grad` (the entropy bonus), else it is a measurement.
 
         Only positions whose next token is trained get logits (`logits_to_keep`), which keeps the
         [batch, positions, vocab] tensor small for a large vocabulary.
@@ -129,8 +130,9 @@ class PolicyTrainer:
             logp = logprobs_of(logits, targets, temperature, self.forbidden)
             entropy = None
             if adapter:
-                with torch.no_grad():
-                    masked = logits.detach().clone()
+                keep_graph = entropy_grad and with_grad
+                with torch.enable_grad() if keep_graph else torch.no_grad():
+                    masked = (logits if keep_graph else logits.detach()).clone()
                     masked[..., self.forbidden] = float("-inf")
                     dist_logp = torch.log_softmax(masked / temperature, dim=-1)
                     entropy = -(dist_logp.exp() * torch.nan_to_num(dist_logp, neginf=0.0)).sum(-1)
@@ -159,7 +161,8 @@ class PolicyTrainer:
             moved.zero_()  # what the last pass run shows (passes may stop early under max_update_kl)
             for i in range(passes):
                 batch, weight = batches.get(i)  # weight 0: a padding pass that keeps collectives aligned
-                logp, entropy, mask, wanted = self.token_logprobs(batch, with_grad=True)
+                logp, entropy, mask, wanted = self.token_logprobs(batch, with_grad=True,
+                                                                  entropy_grad=cfg.entropy_coef > 0)
                 old_logp = logp.detach() if old[i] is None else old[i]
                 if cfg.max_update_kl > 0 and old[i] is None:  # the first pass runs before any step: pre-update
                     old[i] = old_logp
@@ -168,7 +171,8 @@ class PolicyTrainer:
                 if self.cfg.train.kl_coef > 0:
                     ref = self.token_logprobs(batch, with_grad=False, adapter=False)[0]
                 terms = grpo.policy_loss(logp, old_logp, adv, mask * weight, cfg.clip_low, cfg.clip_high,
-                                         max(total_tokens, 1.0) / self.world, ref, cfg.kl_coef)
+                                         max(total_tokens, 1.0) / self.world, ref, cfg.kl_coef,
+                                         entropy, cfg.entropy_coef)
                 if self.distributed and hasattr(self.model, "set_requires_gradient_sync"):
                     self.model.set_requires_gradient_sync(i == passes - 1)
                 terms.loss.backward()
@@ -181,7 +185,7 @@ class PolicyTrainer:
                         padded[row, :len(it.token_ids)] = it.rollout_logprobs
                     diff = ((logp.detach().cpu() - padded[:, wanted + 1]).abs() * mask.cpu())
                     sums += torch.tensor([terms.pg_loss.item(), terms.kl.item(), terms.tokens,
-                                          float((entropy.cpu() * mask.cpu()).sum()), float(diff.sum()),
+                                          float((entropy.detach().cpu() * mask.cpu()).sum()), float(diff.sum()),
                                           0.0, terms.loss.item() * self.world], dtype=torch.float64)
                     sums[5] = max(sums[5].item(), float(diff.max()) if diff.numel() else 0.0)
             if cfg.max_update_kl <= 0:

@@ -21,7 +21,8 @@ def run_script(args: list[str], **env: str) -> subprocess.CompletedProcess:
 
 def test_probe_sweep_runs_variants_side_by_side_and_tabulates_them(tmp_path):
     out = tmp_path / "out"
-    done = run_script(["scripts/gpu/probe_sweep.sh", str(out), "1", "configs/tiny.yaml"],
+    # 5 minutes only bound the variants, which stop at their --steps; 1 ran out on a loaded 2-core machine
+    done = run_script(["scripts/gpu/probe_sweep.sh", str(out), "5", "configs/tiny.yaml"],
                       VARIANTS_SPEC="two:eval.num_mazes=2,--steps=2 three:--steps=3,eval.num_mazes=2,maze.cell_px=8",
                       PROBE_ARGS="--device cpu --batch 2 --eval-every 1 --steps 5")
     assert done.returncode == 0, done.stderr

@@ -102,3 +102,20 @@ def test_a_rank_without_sequences_still_runs_aligned_padding_passes():
     assert batch == everything[:1] and weight == 0.0
     busy = micro_batches(owned[0], everything, 4)
     assert busy.real == 1 and busy.get(0) == (everything, 1.0) and busy.get(1)[1] == 0.0
+
+
+def test_entropy_bonus_by_hand_and_its_gradient_spreads_the_distribution():
+    logits = torch.tensor([[[3.0, 0.0, -1.0], [0.5, 0.4, 0.3]]], requires_grad=True)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    logp = logp_all[..., 0]
+    mask = torch.tensor([[1.0, 0.0]])  # the second position is not trained: its entropy must not count
+    zero = torch.zeros_like(logp)
+    terms = policy_loss(logp, logp.detach(), zero, mask, 0.2, 0.2, total_tokens=1.0, entropy=entropy, entropy_coef=0.5)
+    assert terms.loss.item() == pytest.approx(-0.5 * entropy[0, 0].item())
+    terms.loss.backward()
+    grad = logits.grad[0]
+    assert grad[0, 0] > 0 > grad[0, 2]  # descending the loss lowers the top logit and raises the lowest: more spread
+    assert torch.all(grad[1] == 0)
+    without = policy_loss(logp.detach(), logp.detach(), zero, mask, 0.2, 0.2, 1.0, entropy=entropy.detach())
+    assert without.loss.item() == 0.0  # coefficient 0 (the default): no bonus

@@ -106,3 +106,26 @@ def test_max_update_kl_must_not_be_negative():
 
     with pytest.raises(ConfigError, match="max_update_kl"):
         tiny_config("train.max_update_kl=-0.1")
+
+
+def test_entropy_bonus_keeps_the_policy_more_spread_than_the_same_step_without_it(tiny_model_dir, batch):
+    """Two steps on the same batch: the second step's first pass measures the entropy the first step left."""
+    from app.training import PolicyTrainer
+
+    def entropy_after_one_step(coef: str) -> tuple[float, float]:
+        trainer = PolicyTrainer(tiny_config("train.micro_batch=8", "train.lr=0.02", f"train.entropy_coef={coef}"),
+                                tiny_model_dir)
+        first = trainer.train_step(batch)
+        return first["entropy"], trainer.train_step(batch)["entropy"]
+
+    before, plain = entropy_after_one_step("0")
+    same_start, bonus = entropy_after_one_step("2.0")
+    assert same_start == pytest.approx(before, rel=1e-5)  # both start from the same policy
+    assert bonus > plain and bonus > before
+
+
+def test_entropy_coef_must_not_be_negative():
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.entropy_coef"):
+        tiny_config("train.entropy_coef=-0.1")
