@@ -28,8 +28,8 @@
 #       continued for the same wall time (continuing the previous control when there is one). The stage takes
 #       ~MINUTES + 1.7 minutes (engine start, the control's last evaluation and save; 5.0 took 403 s): in a
 #       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
-#       before the table printed). With rollout.enforce_eager=false in EXTRA, a GRPO run that fails goes on without
-#       CUDA graphs for the minutes left. PROFILE_AFTER=S: py-spy samples of the rollout actor and trainer rank 0,
+#       before the table printed). A GRPO run with CUDA graphs (rollout.enforce_eager=false, as configs/learn_h200.yaml
+#       has it) that fails goes on without them for the minutes left. PROFILE_AFTER=S: py-spy samples of the rollout actor and trainer rank 0,
 #       S seconds in, into OUT/profile_*.txt (scripts/profile_summary.py reads them).
 #   bash scripts/gpu/learn.sh pack OUT WORK
 #       what a fresh machine needs to go on with GRPO and its control where this one stopped (choice.env, the start
@@ -216,10 +216,13 @@ grpo_call "$MINUTES"
 code=$?
 echo "app.main exit code $code"
 left=$(python3 -c "print(round($MINUTES - ($(date +%s) - $t_grpo) / 60, 2))")
-if [ "$code" != 0 ] && [[ " ${EXTRA[*]} " == *" rollout.enforce_eager=false "* ]] \
-   && python3 -c "import sys; sys.exit(0 if $left > 2 else 1)"; then
+# the run's own settings say whether it captured CUDA graphs (configs/learn_h200.yaml does; EXTRA may say otherwise)
+graphs=$(python -c "import sys; from app.config import load_config
+print(int(not load_config(sys.argv[1], sys.argv[2:], check_paths=False).rollout.enforce_eager))" \
+  "$CFG" "${OVR[@]}" "${EXTRA[@]}" 2>/dev/null || echo 0)
+if [ "$code" != 0 ] && [ "$graphs" = 1 ] && python3 -c "import sys; sys.exit(0 if $left > 2 else 1)"; then
   # CUDA graphs are an optimisation: an engine that fails with them goes on without, for the minutes left
-  echo "GRPO failed with rollout.enforce_eager=false; again without CUDA graphs for $left minutes"
+  echo "GRPO failed with CUDA graphs (rollout.enforce_eager=false); again without them for $left minutes"
   grpo_call "$left" rollout.enforce_eager=true
   echo "app.main exit code $?"
 fi
