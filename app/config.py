@@ -148,6 +148,11 @@ class TrainConfig:
     advantage: Literal["grpo", "drgrpo"] = knob("grpo", "grpo divides by the group std, drgrpo does not")
     drop_zero_variance_groups: bool = knob(False, "leave out groups whose samples all earned the same reward "
                                                   "(kept when step advantages still tell their turns apart)")
+    min_informative_groups: int = knob(0, "dynamic sampling (DAPO): while fewer of a step's groups earned differing "
+                                          "rewards, the step plays mazes_per_step more fresh mazes (app/driver.py "
+                                          "sampling_phase); 0 plays one round", ge=0)
+    refill_rounds: int = knob(0, "the most extra rounds of fresh mazes a step plays to reach min_informative_groups "
+                                 "(bounds a step's rollout time at 1 + refill_rounds rounds)", ge=0)
     step_advantage_weight: float = knob(0.0, "weight of each turn's anchor-state advantage (GiGPO: its return compared "
                                              "with the group's other turns from the same cell) added to the episode's; "
                                              "0 is plain GRPO", ge=0.0)
@@ -413,6 +418,14 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
         raise ConfigError("train.mazes_per_step", f"{t.mazes_per_step} mazes x {r.n_samples_per_prompt} samples = "
                           f"{episodes} episodes do not divide over {p.num_bundles} trainer ranks",
                           f"make mazes_per_step * n_samples_per_prompt a multiple of placement.num_bundles ({p.num_bundles})")
+    if t.min_informative_groups and not t.refill_rounds:
+        raise ConfigError("train.refill_rounds", f"it is 0, so min_informative_groups ({t.min_informative_groups}) "
+                          "can never send a step back for more mazes", "set train.refill_rounds to 1 or more (e.g. 3), "
+                          "or train.min_informative_groups=0")
+    if t.min_informative_groups > t.mazes_per_step * (1 + t.refill_rounds):
+        raise ConfigError("train.min_informative_groups", f"{t.min_informative_groups} groups cannot come from "
+                          f"{1 + t.refill_rounds} rounds of {t.mazes_per_step} mazes",
+                          "lower it, or raise train.refill_rounds or train.mazes_per_step")
     if t.advantage == "grpo" and r.n_samples_per_prompt < 2:
         raise ConfigError("rollout.n_samples_per_prompt", "GRPO needs at least 2 samples per maze to compare",
                           "set rollout.n_samples_per_prompt to 2 or more (8 in the reference run)")

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.config import Config
+from app.config import Config, TrainConfig
 from placement import plan as placement
 
 
@@ -124,21 +124,41 @@ def timed(times: dict, phase: str):
     times[f"time_{phase}_s"] = time.perf_counter() - start
 
 
-def rollout_phase(actors: Actors, mazes, cfg: Config, step: int):
-    """Each rollout actor plays whole maze groups; returns (summaries, trajectory refs)."""
+def rollout_phase(actors: Actors, mazes, cfg: Config, step: int, round_: int = 0):
+    """Each rollout actor plays whole maze groups; returns (summaries, trajectory refs).
+
+    Round r of a step numbers its groups from r x len(mazes), so groups of different rounds never merge."""
     import ray
 
     from app.engines import Sampling
 
     sampling = Sampling(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                        seed=cfg.train.seed * 1_000_003 + step * 7_919)
+                        seed=cfg.train.seed * 1_000_003 + step * 7_919 + round_ * 104_729)
     shares = [[] for _ in actors.rollouts]
-    for group, maze in enumerate(mazes):
+    for group, maze in enumerate(mazes, start=round_ * len(mazes)):
         shares[group % len(shares)].append((maze, group))  # the maze itself: its start may not be the seed's
     refs = [a.play.remote(share, cfg.rollout.n_samples_per_prompt, sampling)
             for a, share in zip(actors.rollouts, shares)]
     summaries = ray.get([s for s, _ in refs])
     return summaries, [t for _, t in refs]
+
+
+def sampling_phase(play_round, sampler, train: TrainConfig):
+    """The step's rollouts: train.mazes_per_step fresh mazes, then, while fewer than train.min_informative_groups
+    of the step's groups earned differing rewards, another round of fresh mazes (at most train.refill_rounds).
+
+    DAPO's dynamic sampling: once a policy solves or fails most mazes in all of its runs, most groups carry no
+    GRPO signal (docs/RESULTS.md, twelfth attempt: 11-15 of 16), and more mazes is how a step gets back to a batch
+    that does. `play_round(mazes, round_)` plays one round (rollout_phase); returns (summaries, trajectory refs,
+    {rollout_rounds, rollout_informative_groups})."""
+    from app.grpo import informative_groups
+
+    summaries, refs = play_round(sampler.next(train.mazes_per_step), 0)
+    rounds = 1
+    while informative_groups(summaries) < train.min_informative_groups and rounds <= train.refill_rounds:
+        more, more_refs = play_round(sampler.next(train.mazes_per_step), rounds)
+        summaries, refs, rounds = summaries + more, refs + more_refs, rounds + 1
+    return summaries, refs, {"rollout_rounds": rounds, "rollout_informative_groups": informative_groups(summaries)}
 
 
 def sync_lora(actors: Actors, lora_ref, version: int) -> None:

@@ -55,6 +55,16 @@ def compute_advantages(group_ids: list[int], rewards: list[float], mode: str = "
     return AdvantageResult(advantages, keep, len(members), zero_var)
 
 
+def informative_groups(summaries: list[dict]) -> int:
+    """How many groups in rollout summaries (their "rewards": (group, sample, reward) triples) earned differing
+    rewards: the groups whose GRPO advantages are not all zero."""
+    rewards: dict[int, set[float]] = defaultdict(set)
+    for summary in summaries:
+        for group, _, reward in summary["rewards"]:
+            rewards[group].add(reward)
+    return sum(len(seen) > 1 for seen in rewards.values())
+
+
 @dataclass
 class LossTerms:
     loss: torch.Tensor  # what to backpropagate (already divided by the batch's token count)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from app.config import Config, ConfigError, describe, load_config
 from app.driver import (Actors, absolute_paths, connect_ray, merge_rollout, prefixed, recoverable_errors,
-                        rollout_phase, shutdown, spawn, sync_lora, timed)
+                        rollout_phase, sampling_phase, shutdown, spawn, sync_lora, timed)
 from app.sampler import MazeSampler, eval_mazes
 from placement import plan as placement
 
@@ -99,14 +99,15 @@ def run_steps(run: Run, actors: Actors, start: int) -> None:
     for step in range(start + 1, cfg.total_steps + 1):
         times: dict = {}
         with timed(times, "rollout"):
-            summaries, trajectory_refs = rollout_phase(actors, run.sampler.next(cfg.train.mazes_per_step), cfg, step)
+            summaries, trajectory_refs, sampling = sampling_phase(
+                lambda mazes, round_, step=step: rollout_phase(actors, mazes, cfg, step, round_), run.sampler, cfg.train)
         ray.get([a.sleep.remote() for a in actors.rollouts])
         with timed(times, "train"):
             results = [t.step.remote(trajectory_refs, step) for t in actors.trainers]
             train_metrics = ray.get([m for m, _ in results])[0]
         with timed(times, "sync"):
             sync_lora(actors, results[0][1], step)
-        metrics = {**merge_rollout(summaries, times["time_rollout_s"]), **prefixed("train", train_metrics)}
+        metrics = {**merge_rollout(summaries, times["time_rollout_s"]), **sampling, **prefixed("train", train_metrics)}
         if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or step == cfg.total_steps):
             with timed(times, "eval"):
                 metrics.update(prefixed("eval", ray.get(actors.evaluator.evaluate.remote(step))))

@@ -30,6 +30,8 @@ EXPORTED = {
     "eval_sampled_pass_at_k": "share of held-out mazes solved by at least one of eval.samples sampled plays",
     "rollout_solve_rate": "solve rate of the step's training episodes",
     "rollout_reward_mean": "mean reward of the step's training episodes",
+    "rollout_informative_groups": "the step's groups whose runs earned differing rewards (non-zero GRPO advantages)",
+    "rollout_rounds": "rounds of mazes the step played (more than 1 when train.min_informative_groups refilled it)",
     "train_loss": "GRPO loss",
     "train_pg_loss": "policy-gradient part of the loss, token mean",
     "train_kl": "KL to the reference policy (adapter disabled), token mean",

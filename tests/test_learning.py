@@ -42,6 +42,7 @@ def learn(overrides: list[str] = (), model_cache: str | os.PathLike | None = Non
 
     from app.episodes import episode_settings
     from app.config import load_config
+    from app.driver import sampling_phase
     from app.engines import Sampling, make_engine
     from app.episodes import EpisodeRequest, play_episodes
     from app.evaluation import eval_report
@@ -102,20 +103,26 @@ def learn(overrides: list[str] = (), model_cache: str | os.PathLike | None = Non
 
     # GRPO (app.main.run_steps): n samples of each maze form a group; one update; the adapter goes to the engine
     steps = []
-    for step in range(1, cfg.total_steps + 1):
-        mazes = sampler.next(cfg.train.mazes_per_step)
+    def play_round(mazes, round_, step):  # app.driver.rollout_phase, in this process
         trained_ids.update(m.identity for m in mazes)
-        n = cfg.rollout.n_samples_per_prompt
-        requests = [EpisodeRequest(m, group, s) for group, m in enumerate(mazes) for s in range(n)]
+        n, first = cfg.rollout.n_samples_per_prompt, round_ * len(mazes)
+        requests = [EpisodeRequest(m, first + group, s) for group, m in enumerate(mazes) for s in range(n)]
         sampling = Sampling(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                            seed=cfg.train.seed * 1_000_003 + step * 7_919)
+                            seed=cfg.train.seed * 1_000_003 + step * 7_919 + round_ * 104_729)
         trajectories = play_episodes(engine, engine.codec, requests, settings, sampling)
+        return [{"rewards": [(t.group, t.sample, t.reward) for t in trajectories]}], [trajectories]
+
+    for step in range(1, cfg.total_steps + 1):
+        _, batches, rounds = sampling_phase(lambda mazes, round_, step=step: play_round(mazes, round_, step),
+                                            sampler, cfg.train)
+        trajectories = [t for batch in batches for t in batch]
         metrics = trainer.train_step(trajectories)
         engine.load_lora(trainer.lora_tensors(), step)
         rollout = summarize(trajectories)
-        steps.append({"step": step, "rollout_solve_rate": rollout["solve_rate"], **metrics})
+        steps.append({"step": step, "rollout_solve_rate": rollout["solve_rate"], **rounds, **metrics})
         log(f"grpo step {step}: rollout solve rate {rollout['solve_rate']:.3f}, groups with signal "
-            f"{metrics['groups'] - metrics['zero_variance_groups']}/{metrics['groups']}, "
+            f"{metrics['groups'] - metrics['zero_variance_groups']}/{metrics['groups']} "
+            f"({rounds['rollout_rounds']} round{'s' if rounds['rollout_rounds'] > 1 else ''}), "
             f"entropy {metrics['entropy']:.3f}, clip {metrics['clip_fraction']:.3f}, grad norm {metrics['grad_norm']:.2f}, "
             f"logprob mismatch {metrics['logprob_mismatch_mean']:.1e} [{time.perf_counter() - t0:.0f}s]")
     end = evaluate(cfg.total_steps)

@@ -73,6 +73,18 @@ def test_console_shows_solve_rate_and_anatomy(ray_cluster, tmp_path, capsys):
     assert "eval solve" in line and "train solve" in line and "rollout" in line and "train" in line and "sync" in line
 
 
+def test_dynamic_sampling_plays_a_second_round_and_trains_on_both(ray_cluster, tmp_path):
+    """train.min_informative_groups=3 from 2 mazes a round: always one refill (refill_rounds=1 bounds it); the
+    trainer sees 4 distinct groups, so the rounds' group numbers did not collide on the way through the actors."""
+    assert run_main(tmp_path, "train.max_steps=1", "eval.at_start=false", "checkpoint.ckpt_interval=0",
+                    "checkpoint.hf_save_interval=0", "train.min_informative_groups=3", "train.refill_rounds=1") == 0
+    log = [json.loads(line) for line in (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    step = next(m for m in log if m["step"] == 1 and "train_loss" in m)
+    assert step["rollout_rounds"] == 2 and step["rollout_episodes"] == 8
+    assert 0 <= step["rollout_informative_groups"] <= 4
+    assert step["train_groups"] == 4
+
+
 def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_path):
     import ray
 

@@ -35,7 +35,8 @@
 #       what a fresh machine needs to go on with GRPO and its control where this one stopped (choice.env, the start
 #       model, the latest GRPO checkpoint and metrics, the controls' logs and latest model) as OUT/state.tar.* pieces
 #       of 15 MB; copy them here into .carry/ (git-ignored), carry them back (carry: [".carry/state.tar.aa", ...],
-#       at most 64 MiB a device call) and copy them into one folder there, then
+#       3 pieces a device call: 4 and the repo's own files pass the 64 MiB a call may carry) and copy them into one
+#       folder there, then
 #   bash scripts/gpu/learn.sh unpack PIECES WORK
 #       unpacks PIECES/state.tar.* (and PIECES/start.tar.*, the sft stage's) into WORK: the grpo stage then resumes.
 #       Unpack into the same WORK path: the GRPO run's config names its start model by path.
