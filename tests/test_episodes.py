@@ -209,3 +209,24 @@ def test_every_picture_shows_the_cell_its_turn_was_played_in_and_is_made_once_pe
         for png, cell in zip(t.images, t.states):
             row, col = map(int, cell.split(","))
             assert np.array_equal(np.asarray(png_to_image(png)), render(request.maze, (row, col), 32))
+
+
+def test_the_codecs_text_cache_gives_the_tokenizers_ids_and_owned_lists(codec, processor):
+    """ChatCodec caches each text's ids (every turn re-sends the same few texts): the same ids as the tokenizer,
+    a fresh list each call (a caller's edit never reaches the cache), and a bounded cache that still pickles."""
+    import pickle
+
+    from app.encoding import ChatCodec
+
+    fresh = ChatCodec(processor)
+    text = "<|im_end|>\n<|im_start|>user\nYou moved up. 12 turns left.<|im_end|>\n<|im_start|>assistant\n"
+    expected = processor.tokenizer.encode(text, add_special_tokens=False)
+    first = fresh._encode(text)
+    assert first == expected
+    first.append(-1)  # the caller owns its list
+    assert fresh._encode(text) == expected and fresh._encode(text) is not fresh._encode(text)
+    fresh._ENCODED_MAX = 3
+    for k in range(10):
+        assert fresh._encode(f"turn {k}") == processor.tokenizer.encode(f"turn {k}", add_special_tokens=False)
+    assert len(fresh._encoded) <= 3
+    assert pickle.loads(pickle.dumps(fresh))._encode(text) == expected
