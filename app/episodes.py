@@ -7,7 +7,9 @@ segment is appended. Finished episodes leave the batch; the rest continue.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from PIL import Image
 
@@ -37,24 +39,33 @@ class EpisodeRequest:
     sample: int = 0
 
 
+class Picture(NamedTuple):
+    image: Image.Image
+    png: bytes
+    identity: str  # a digest of the PNG: equal pixels, equal ids (vLLM's multi_modal_uuids)
+
+
 class Pictures:
-    """Each (maze, cell) picture rendered and PNG-encoded once, however many episodes stand there.
+    """Each (maze, cell) picture rendered, PNG-encoded and identified once, however many episodes stand there.
 
     The 8 runs of a group play one maze, so a rollout shows ~2.3k pictures of only ~400 distinct states; PNG
-    encoding alone was 16% of a GPU rollout's time (py-spy, docs/BENCHMARKS.md, twelfth run). The images are
+    encoding alone was 16% of a GPU rollout's time (py-spy, docs/BENCHMARKS.md, twelfth run), and vLLM hashing
+    every picture's pixels ~4%: a prompt names its pictures by these ids instead. The ids digest the (lossless,
+    deterministic) PNG, so they follow the content and two different pictures never share one. The images are
     shared read-only: nothing downstream draws on them.
     """
 
     def __init__(self, cell_px: int):
         self.cell_px = cell_px
-        self._made: dict[tuple[str, Cell], tuple[Image.Image, bytes]] = {}
+        self._made: dict[tuple[str, Cell], Picture] = {}
 
-    def of(self, maze: Maze, cell: Cell) -> tuple[Image.Image, bytes]:
+    def of(self, maze: Maze, cell: Cell) -> Picture:
         key = (maze.identity, tuple(cell))
         made = self._made.get(key)
         if made is None:
             image = as_image(render(maze, cell, self.cell_px))
-            made = self._made[key] = (image, image_to_png(image))
+            png = image_to_png(image)
+            made = self._made[key] = Picture(image, png, "png-" + hashlib.blake2b(png, digest_size=16).hexdigest())
         return made
 
 
@@ -66,10 +77,12 @@ class RunningEpisode:
         self.request, self.codec, self.settings = request, codec, settings
         self.pictures = pictures or Pictures(settings.cell_px)
         self.env = MazeEpisode(request.maze, settings.max_turns)
-        image, png = self.pictures.of(self.env.maze, self.env.position)
-        self.history: list[Segment] = [codec.opening(image, settings.max_turns, settings.maze_size, self._where())]
+        picture = self.pictures.of(self.env.maze, self.env.position)
+        self.history: list[Segment] = [codec.opening(picture.image, settings.max_turns, settings.maze_size,
+                                                     self._where())]
         self.image_count = 1
-        self.pngs = [png]
+        self.pngs = [picture.png]
+        self.picture_ids = [picture.identity]  # by image index, as pngs
         self.first_trained = 0  # history index from which generated segments belong to the current sequence
         self.sequences = []
         self.replies: list[str] = []
@@ -104,9 +117,12 @@ class RunningEpisode:
         return view, offsets, dropped
 
     def prompt(self) -> Prompt:
-        view, _, _ = self._view()
+        view, offsets, _ = self._view()
         ids = [i for seg in view for i in seg.token_ids]
-        return Prompt(ids, [img for seg in view for img in seg.images])
+        with_images = [seg for seg in view if seg.images]  # offsets holds each one's first image index
+        image_ids = [self.picture_ids[first + k] for seg, first in zip(with_images, offsets)
+                     for k in range(len(seg.images))]
+        return Prompt(ids, [img for seg in with_images for img in seg.images], image_ids)
 
     def _close_sequence(self) -> None:
         view, offsets, dropped = self._view()
@@ -129,8 +145,8 @@ class RunningEpisode:
         if result.done:
             self._close_sequence()
             return
-        image, png = self.pictures.of(self.env.maze, self.env.position)
-        observation = codec.observation(image, result.feedback, self.env.turns_left, close_turn=not closed_by_model,
+        picture = self.pictures.of(self.env.maze, self.env.position)
+        observation = codec.observation(picture.image, result.feedback, self.env.turns_left, close_turn=not closed_by_model,
                                         where=self._where())
         k = self.settings.image_history
         observations = self.image_count  # observations in the history once this one is appended
@@ -141,7 +157,8 @@ class RunningEpisode:
             self.first_trained = len(self.history) + 1
         self.history.append(observation)
         self.image_count += 1
-        self.pngs.append(png)
+        self.pngs.append(picture.png)
+        self.picture_ids.append(picture.identity)
 
     def trajectory(self, lora_version: int) -> Trajectory:
         maze, env = self.request.maze, self.env

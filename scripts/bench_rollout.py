@@ -3,7 +3,8 @@
 The loop plays B episodes turn by turn (dialogue, parsing, maze steps, rendering, segments). Every
 generate call it makes is recorded, then replayed as raw `engine.generate` calls with the same
 prompts and seeds, so both sides generate exactly the same tokens. Reported: episodes/s and generated
-tokens/s of each, and loop/raw as a ratio (target >= 0.85), median over --repeats runs.
+tokens/s of each, and loop/raw as a ratio (target >= 0.85), median over --repeats runs. A second replay sends the
+same prompts without their image ids (vLLM then hashes every picture's pixels): raw/no-ids is what the ids save.
 
     python scripts/bench_rollout.py --engine hf --episodes 64 --repeats 3
     python scripts/bench_rollout.py --engine vllm --model PATH --maze-size 9   (on a GPU)
@@ -46,7 +47,7 @@ def main() -> None:
 
     from app.config import load_config
     from app.engines import make_engine
-    from app.engines.base import Sampling
+    from app.engines.base import Prompt, Sampling
     from app.episodes import EpisodeRequest, EpisodeSettings, play_episodes
     from app.maze import generate_maze
     from app.model import ensure_model
@@ -82,9 +83,15 @@ def main() -> None:
         start = time.perf_counter()
         raw_tokens = sum(len(gen.token_ids) for prompts, s in recorder.calls for gen in engine.generate(prompts, s))
         raw_s = time.perf_counter() - start
+        if hasattr(engine, "llm"):
+            engine.llm.reset_prefix_cache()
+        start = time.perf_counter()
+        for prompts, s in recorder.calls:
+            engine.generate([Prompt(p.token_ids, p.images) for p in prompts], s)
+        no_ids_s = time.perf_counter() - start
         if repeat:
-            rows.append({"loop_s": loop_s, "raw_s": raw_s, "tokens": tokens, "raw_tokens": raw_tokens,
-                         "turn_calls": len(recorder.calls)})
+            rows.append({"loop_s": loop_s, "raw_s": raw_s, "no_ids_s": no_ids_s, "tokens": tokens,
+                         "raw_tokens": raw_tokens, "turn_calls": len(recorder.calls)})
     loop_s = statistics.median(r["loop_s"] for r in rows)
     raw_s = statistics.median(r["raw_s"] for r in rows)
     tokens = rows[0]["tokens"]
@@ -95,11 +102,13 @@ def main() -> None:
               "max_turns": args.max_turns, "generated_tokens": tokens, "same_tokens": rows[0]["raw_tokens"] == tokens,
               "loop_episodes_per_s": args.episodes / loop_s, "raw_episodes_per_s": args.episodes / raw_s,
               "loop_tokens_per_s": loop_rate, "raw_tokens_per_s": raw_rate,
-              "loop_over_raw": loop_rate / raw_rate, "repeats": args.repeats}
+              "loop_over_raw": loop_rate / raw_rate, "repeats": args.repeats,
+              "raw_over_no_ids": statistics.median(r["raw_s"] / r["no_ids_s"] for r in rows)}
     print(f"{'':8} {'episodes/s':>11} {'gen tok/s':>10}")
     print(f"{'loop':8} {result['loop_episodes_per_s']:11.2f} {result['loop_tokens_per_s']:10.1f}")
     print(f"{'raw':8} {result['raw_episodes_per_s']:11.2f} {result['raw_tokens_per_s']:10.1f}")
     print(f"loop / raw = {result['loop_over_raw']:.3f} (median of {args.repeats}; same tokens: {result['same_tokens']})")
+    print(f"raw time with image ids / without = {result['raw_over_no_ids']:.3f} (median of {args.repeats})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -160,6 +160,31 @@ def test_adapter_of_wrong_shape_is_refused(request, engine_name, damage):
     assert engine.lora_version == version  # the refused adapter never reached the engine
 
 
+# before the tests below: a second vLLM engine in this process ends the shared engine's parallel groups
+def test_prompts_that_name_their_images_generate_the_same_and_the_names_are_used(vllm_engine, prompts):
+    """Image ids (multi_modal_uuids) stand in for vLLM's pixel hash: content ids give the outputs of no ids, and
+    one id given to two different pictures makes vLLM reuse the first one's features, which shows it trusts them."""
+    import uuid
+
+    vllm_engine.load_lora(random_adapter(vllm_engine.spec), 10)
+    greedy = Sampling(max_new_tokens=8, temperature=0.0)
+    plain = vllm_engine.generate(prompts, greedy)
+    vllm_engine.llm.reset_prefix_cache()
+    named = [Prompt(p.token_ids, p.images, [f"content-{uuid.uuid4()}"]) for p in prompts]
+    assert_same_generations(plain, vllm_engine.generate(named, greedy))
+    # prompts 0 and 2: two mazes drawn at the same scale, so the same token ids around different pictures
+    first, other = prompts[0], prompts[2]
+    assert first.token_ids == other.token_ids and first.images[0].tobytes() != other.images[0].tobytes()
+    shared = f"shared-{uuid.uuid4()}"
+    vllm_engine.llm.reset_prefix_cache()
+    lied = vllm_engine.generate([Prompt(first.token_ids, first.images, [shared]),
+                                 Prompt(other.token_ids, other.images, [shared])], greedy)
+    assert plain[0].logprobs != plain[2].logprobs  # the pictures matter to the model...
+    assert lied[1].logprobs == lied[0].logprobs == plain[0].logprobs  # ...and the id alone picked the features
+    with pytest.raises(ValueError, match="image ids"):
+        vllm_engine.generate([Prompt(first.token_ids, first.images, ["a", "b"])], greedy)
+
+
 @pytest.fixture(scope="module")
 def image_loving_model(tmp_path_factory, tiny_model_dir):
     """The tiny model with its output layer biased hard towards the vision special tokens."""
@@ -218,3 +243,4 @@ def test_engine_stats_and_versions(hf_engine, vllm_engine):
         stats = engine.stats()
         assert stats["lora_version"] == engine.lora_version
         assert stats["generate_calls"] > 0 and stats["generated_tokens"] > 0
+

@@ -230,3 +230,32 @@ def test_the_codecs_text_cache_gives_the_tokenizers_ids_and_owned_lists(codec, p
         assert fresh._encode(f"turn {k}") == processor.tokenizer.encode(f"turn {k}", add_special_tokens=False)
     assert len(fresh._encoded) <= 3
     assert pickle.loads(pickle.dumps(fresh))._encode(text) == expected
+
+
+@pytest.mark.parametrize("window,turn_window", [(0, 0), (3, 0), (1, 1), (3, 2)])
+def test_each_prompt_names_its_pictures_by_their_content(codec, window, turn_window):
+    """A prompt's image_ids (vLLM's multi_modal_uuids: the engine trusts them instead of hashing pixels) line up
+    with its images under every context window: one id an image, the same id exactly for the same pixels."""
+    import hashlib
+
+    from app.encoding import image_to_png
+
+    class Recording(ScriptedEngine):
+        prompts = []
+
+        def generate(self, prompts, sampling):
+            self.prompts.extend(prompts)
+            return super().generate(prompts, sampling)
+
+    engine = Recording(codec, seed=5)
+    play_episodes(engine, codec, requests(64), settings(window, turns=8, turn_history=turn_window), Sampling(12))
+    by_id, turns_with_several = {}, 0
+    for p in engine.prompts:
+        assert p.image_ids is not None and len(p.image_ids) == len(p.images) >= 1
+        turns_with_several += len(p.images) > 1
+        for image, identity in zip(p.images, p.image_ids):
+            png = image_to_png(image)
+            assert identity == "png-" + hashlib.blake2b(png, digest_size=16).hexdigest()
+            assert by_id.setdefault(identity, png) == png
+    assert len(by_id) > 8  # 8 mazes, several states each: not one id for all
+    assert (turns_with_several > 0) == (window != 1 and turn_window != 1)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 class Prompt:
     token_ids: list[int]
     images: list[Image.Image] = field(default_factory=list)
+    image_ids: list[str] | None = None  # one content id an image (app.episodes.Pictures): vLLM skips hashing pixels
 
 
 @dataclass

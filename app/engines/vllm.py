@@ -117,6 +117,11 @@ class VLLMEngine(Engine):
             request = {"prompt_token_ids": self.codec.collapse_image_pads(p.token_ids)}
             if p.images:
                 request["multi_modal_data"] = {"image": list(p.images)}
+                if p.image_ids is not None:
+                    if len(p.image_ids) != len(p.images):
+                        raise ValueError(f"prompt {i} names {len(p.image_ids)} image ids for {len(p.images)} images")
+                    # content ids (app.episodes.Pictures): vLLM keys its caches by them instead of hashing pixels
+                    request["multi_modal_uuids"] = {"image": list(p.image_ids)}
             inputs.append(request)
         outputs = self.llm.generate(inputs, params, lora_request=self._lora_request, use_tqdm=False)
         gens = []
