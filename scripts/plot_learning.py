@@ -7,6 +7,7 @@ step wins); its time axis is the sum of the kept steps' time_step_s. SFT_CONTROL
 continued-SFT control, one or more rounds appended (sft_step restarts at each round; elapsed_s adds up).
 --sft adds the warm-start SFT runs that led to the GRPO start, on the same axes shifted left of zero; --start-step
 cuts the last of them at the checkpoint GRPO started from (choice.env's SFT_STEP), so that zero is that checkpoint.
+--earlier adds an earlier run from the same checkpoint (a GRPO metrics log or an SFT control log), drawn faintly.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def sft_curve(path: Path, until_step: int | None = None) -> list[tuple[float, fl
     return curve
 
 
+def any_curve(path: Path) -> tuple[str, list[tuple[float, float]]]:
+    """("GRPO" or "SFT", its curve): an earlier run's log, told apart by its first record."""
+    first = json.loads(path.read_text().splitlines()[0])
+    return ("SFT", sft_curve(path)) if "sft_step" in first else ("GRPO", grpo_curve(path))
+
+
 def main(argv: list[str] | None = None) -> int:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -56,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft", action="append", default=[], help="NAME=PATH of a warm-start SFT log, before zero")
     ap.add_argument("--start-step", type=int, help="the GRPO start's step in the last --sft log: its curve ends there, "
                     "at zero (by default it ends with the log)")
+    ap.add_argument("--earlier", action="append", default=[],
+                    help="NAME=PATH of an earlier run from the same checkpoint (GRPO metrics or SFT log), drawn faintly")
     ap.add_argument("--grpo-label", default="GRPO (LoRA r32, 16 mazes x 8 samples a step)", help="the GRPO curve's name")
     ap.add_argument("--target", type=float, default=0.95, help="the target line (share of solvable mazes)")
     args = ap.parse_args(argv)
@@ -65,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     grpo, control = grpo_curve(args.grpo), sft_curve(args.control)
     ax.plot(*zip(*grpo), "o-", label=args.grpo_label)
     ax.plot(*zip(*control), ".-", alpha=0.7, label="control: the same checkpoint's SFT continued")
+    for spec in args.earlier:
+        name, path = spec.split("=", 1)
+        kind, curve = any_curve(Path(path))
+        ax.plot(*zip(*curve), "x--" if kind == "GRPO" else ",--", alpha=0.45, label=f"earlier {kind}: {name}")
     shift = 0.0
     for i, spec in enumerate(reversed(args.sft)):
         name, path = spec.split("=", 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scripts.plot_learning import grpo_curve, main, sft_curve
+from scripts.plot_learning import any_curve, grpo_curve, main, sft_curve
 
 
 def _write(path: Path, records: list[dict]) -> Path:
@@ -31,4 +31,9 @@ def test_a_resumed_grpo_step_counts_once_and_the_plot_is_written(tmp_path):
                                             {"sft_step": 20, "elapsed_s": 40.0, "eval_solve_rate": 0.6}])
     out = tmp_path / "curve.png"
     assert main([str(grpo), str(control), str(out), "--sft", f"warm={warm}", "--start-step", "10"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # earlier runs from the same checkpoint: a GRPO log and an SFT log, each read as its kind
+    assert any_curve(grpo) == ("GRPO", [(0.0, 0.2), (70.0, 0.4)]) and any_curve(control) == ("SFT", [(50.0, 0.3)])
+    out.unlink()
+    assert main([str(grpo), str(control), str(out), "--earlier", f"a={grpo}", "--earlier", f"b={control}"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
