@@ -146,8 +146,8 @@ class RunningEpisode:
             self._close_sequence()
             return
         picture = self.pictures.of(self.env.maze, self.env.position)
-        observation = codec.observation(picture.image, result.feedback, self.env.turns_left, close_turn=not closed_by_model,
-                                        where=self._where())
+        observation = codec.observation(picture.image, result.feedback, self.env.turns_left,
+                                        close_turn=not closed_by_model, where=self._where())
         k = self.settings.image_history
         observations = self.image_count  # observations in the history once this one is appended
         if (k and observations + 1 > k) or dialogue.dropped_turns(observations, self.settings.turn_history):
