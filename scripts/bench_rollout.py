@@ -32,6 +32,15 @@ class RecordingEngine:
         return self.engine.generate(prompts, sampling)
 
 
+def replay(engine, calls) -> tuple[float, int]:
+    """Seconds and generated tokens of the recorded generate calls, sent again from an empty prefix cache."""
+    if hasattr(engine, "llm"):
+        engine.llm.reset_prefix_cache()
+    start = time.perf_counter()
+    tokens = sum(len(gen.token_ids) for prompts, sampling in calls for gen in engine.generate(prompts, sampling))
+    return time.perf_counter() - start, tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
@@ -78,17 +87,9 @@ def main() -> None:
         trajectories = play_episodes(recorder, engine.codec, requests, settings, sampling)
         loop_s = time.perf_counter() - start
         tokens = sum(t.num_generated_tokens for t in trajectories)
-        if hasattr(engine, "llm"):
-            engine.llm.reset_prefix_cache()
-        start = time.perf_counter()
-        raw_tokens = sum(len(gen.token_ids) for prompts, s in recorder.calls for gen in engine.generate(prompts, s))
-        raw_s = time.perf_counter() - start
-        if hasattr(engine, "llm"):
-            engine.llm.reset_prefix_cache()
-        start = time.perf_counter()
-        for prompts, s in recorder.calls:
-            engine.generate([Prompt(p.token_ids, p.images) for p in prompts], s)
-        no_ids_s = time.perf_counter() - start
+        raw_s, raw_tokens = replay(engine, recorder.calls)
+        no_ids_s, _ = replay(engine, [([Prompt(p.token_ids, p.images) for p in prompts], s)
+                                      for prompts, s in recorder.calls])
         if repeat:
             rows.append({"loop_s": loop_s, "raw_s": raw_s, "no_ids_s": no_ids_s, "tokens": tokens,
                          "raw_tokens": raw_tokens, "turn_calls": len(recorder.calls)})
