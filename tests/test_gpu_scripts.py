@@ -19,6 +19,13 @@ def run_script(args: list[str], **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
 
 
+def tar_names(pieces: list[Path]) -> list[str]:
+    """The member names of the tar these pieces make, joined in order."""
+    joined = b"".join(piece.read_bytes() for piece in pieces)
+    listed = subprocess.run(["tar", "-tf", "-"], input=joined, capture_output=True, check=True)
+    return listed.stdout.decode().split()
+
+
 def test_probe_sweep_runs_variants_side_by_side_and_tabulates_them(tmp_path):
     out = tmp_path / "out"
     # 5 minutes only bound the variants, which stop at their --steps; 1 ran out on a loaded 2-core machine
@@ -145,6 +152,24 @@ def test_learn_packs_the_run_and_a_fresh_work_folder_resumes_grpo_and_the_contro
         control = [json.loads(line) for line in (tmp_path / "out2" / "control.jsonl").read_text().splitlines()]
         assert [m["sft_step"] for m in control if "eval_solve_rate" in m][-1] == 2  # round 2, from round 1's model
         assert (work / "control_2" / "final").is_dir()
+        # the resumed call packed its delta: the carried state's pieces and it, unpacked together on a machine that
+        # lost WORK again, hold call 2's checkpoint and control model beside call 1's start model
+        delta = sorted((tmp_path / "out2").glob("delta.tar.*"))
+        assert delta and "delta: " in resumed.stdout
+        start = dict(line.split("=", 1) for line in (work / "choice.env").read_text().splitlines() if "=" in line)
+        start_model = start["START"].strip("'\"")
+        names = tar_names(delta)
+        assert "control_2/final/model.safetensors" in names and not any(n.startswith(start_model) for n in names)
+        both = tmp_path / "both"
+        shutil.copytree(pieces, both)
+        for piece in delta:
+            shutil.copy(piece, both)
+        again = tmp_path / "again"
+        assert run_script(["scripts/gpu/learn.sh", "unpack", str(both), str(again)]).returncode == 0
+        latest = (again / "runs" / "learn" / "checkpoints" / "latest").read_text().strip()
+        assert latest == (work / "runs" / "learn" / "checkpoints" / "latest").read_text().strip() != ""
+        assert (again / "control_2" / "final").is_dir() and (again / "control_2" / "sft_log.jsonl").is_file()
+        assert (again / start_model / "model.safetensors").is_file()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.copytree(fresh, work)
@@ -233,3 +258,53 @@ def test_profile_summary_counts_inclusive_and_self_samples(tmp_path):
     assert whole["self"]["wait (threading.py)"] == 60
     rollout = summarize(stacks, under="play_episodes")
     assert rollout["samples"] == 40 and rollout["self"]["generate (vllm.py)"] == 30
+
+
+def test_learn_start_detaches_the_grpo_stage_and_watch_brings_its_run_back(sft_then_grpo, tmp_path):
+    _, work, _ = sft_then_grpo
+    copy = tmp_path / "work"
+    shutil.copytree(work, copy)
+    env = dict(CONFIG="configs/tiny.yaml", DEVICE="cpu", EVAL_EVERY="1",
+               EXTRA=f"sft.steps=2 train.max_steps=2 {SMOKE}")
+    started = run_script(["scripts/gpu/learn.sh", "start", str(tmp_path / "unused"), str(copy), "4"], **env)
+    assert started.returncode == 0, started.stdout + started.stderr
+    pid = int((copy / "detached.pid").read_text())
+    try:
+        # the stage outlived the call that started it, and a second start does not run a second stage beside it
+        os.kill(pid, 0)
+        assert run_script(["scripts/gpu/learn.sh", "start", str(tmp_path / "unused"), str(copy), "4"]).returncode == 2
+        early = run_script(["scripts/gpu/learn.sh", "watch", str(tmp_path / "early"), str(copy), "0"])
+        assert early.returncode == 3, early.stdout + early.stderr  # it runs on
+        assert "the detached stage runs on" in early.stdout and list((tmp_path / "early").glob("delta.tar.*"))
+        out = tmp_path / "out"
+        done = run_script(["scripts/gpu/learn.sh", "watch", str(out), str(copy), "540"])
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "the detached stage has ended" in done.stdout and "grpo    0:" in done.stdout
+    finally:
+        subprocess.run(["kill", "--", f"-{pid}"], capture_output=True)
+    grpo = [json.loads(line) for line in (out / "grpo_metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in grpo if "train_loss" in m] == [1, 2]
+    assert "resuming from checkpoint" in (out / "grpo_2.log").read_text()
+    names = tar_names(sorted(out.glob("delta.tar.*")))
+    assert "control_2/final/model.safetensors" in names and "runs/learn/checkpoints/latest" in names
+    assert "control_2/sft_log.jsonl" in names and "control_1/sft_log.jsonl" in names
+
+
+def test_learn_pack_takes_a_running_controls_newest_save_when_it_has_no_final_model(tmp_path):
+    work = tmp_path / "work"
+    for folder in ["start", "control_1/final", "control_2/step_3", "control_2/step_12", "control_2/step_9"]:
+        (work / folder).mkdir(parents=True)
+        (work / folder / "model.safetensors").write_text(folder)
+    for k in (1, 2):
+        (work / f"control_{k}" / "sft_log.jsonl").write_text("{}\n")
+    (work / "choice.env").write_text('START="start"\n')
+    packed = run_script(["scripts/gpu/learn.sh", "pack", str(tmp_path / "pieces"), str(work)])
+    assert packed.returncode == 0, packed.stdout + packed.stderr
+    names = tar_names(sorted((tmp_path / "pieces").glob("state.tar.*")))
+    assert "control_2/step_12/model.safetensors" in names and "start/model.safetensors" in names
+    assert not any(n.startswith(("control_1/final", "control_2/step_3", "control_2/step_9")) for n in names)
+    (work / "control_2" / "final").mkdir()  # once the control has ended, its final model
+    (work / "control_2" / "final" / "model.safetensors").write_text("final")
+    assert run_script(["scripts/gpu/learn.sh", "pack", str(tmp_path / "pieces"), str(work)]).returncode == 0
+    names = tar_names(sorted((tmp_path / "pieces").glob("state.tar.*")))
+    assert "control_2/final/model.safetensors" in names and not any("step_12" in n for n in names)

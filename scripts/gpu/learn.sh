@@ -30,45 +30,124 @@
 #       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
 #       before the table printed). A GRPO run with CUDA graphs (rollout.enforce_eager=false, as configs/learn_h200.yaml
 #       has it) that fails goes on without them for the minutes left. PROFILE_AFTER=S: py-spy samples of the rollout actor and trainer rank 0,
-#       S seconds in, into OUT/profile_*.txt (scripts/profile_summary.py reads them).
+#       S seconds in, into OUT/profile_*.txt (scripts/profile_summary.py reads them). At its end the stage packs the run
+#       so far, less the start model, as OUT/delta.tar.* (4 pieces of <= 15 MiB for configs/learn_h200.yaml; SAVE_DELTA=0:
+#       not): a machine lost between calls loses no steps. Here, unpack the carried state's pieces and the delta's
+#       together (below), then pack that folder to carry the whole state on.
+#   bash scripts/gpu/learn.sh start OUT WORK MINUTES
+#       the grpo stage (above) detached in a process session of its own, returning at once: it outlives the device
+#       call (the device keeps setsid processes until the machine goes back), so one engine start serves a whole
+#       session instead of one each call (~150 s of every 10-minute call on a fresh machine, ~100 s on a warm one).
+#       Its OUT is WORK/detached_out. Make the calls after it back to back (the machine goes back after 30 s idle):
+#   bash scripts/gpu/learn.sh watch OUT WORK SECONDS
+#       waits until the detached stage ends or SECONDS pass, then copies its logs and metrics into OUT and packs the
+#       run so far (latest complete GRPO checkpoint, the controls' logs and newest model) as OUT/delta.tar.*; prints
+#       the table; exit 3 while the stage runs on, 0 once it has ended. Keep SECONDS <= 560 in a 10-minute call.
 #   bash scripts/gpu/learn.sh pack OUT WORK
 #       what a fresh machine needs to go on with GRPO and its control where this one stopped (choice.env, the start
 #       model, the latest GRPO checkpoint and metrics, the controls' logs and latest model) as OUT/state.tar.* pieces
-#       of 15 MB; copy them here into .carry/ (git-ignored), carry them back (carry: [".carry/state.tar.aa", ...],
+#       of <= 15 MiB; copy them here into .carry/ (git-ignored), carry them back (carry: [".carry/state.tar.aa", ...],
 #       3 pieces a device call: 4 and the repo's own files pass the 64 MiB a call may carry) and copy them into one
 #       folder there, then
 #   bash scripts/gpu/learn.sh unpack PIECES WORK
-#       unpacks PIECES/state.tar.* (and PIECES/start.tar.*, the sft stage's) into WORK: the grpo stage then resumes.
+#       unpacks PIECES/start.tar.* (the sft stage's), PIECES/state.tar.* and PIECES/delta.tar.* (the grpo stage's, on top
+#       of the state it continues), those there are, into WORK: the grpo stage then resumes.
 #       Unpack into the same WORK path: the GRPO run's config names its start model by path.
 # Smoke test on a CPU: DEVICE=cpu EVAL_EVERY=1 EXTRA="eval.num_mazes=2 sft.mazes_per_step=2 ..." (the grpo stage
 # then needs EXTRA to hold placement.gpus_per_bundle=0 model.dtype=float32 too).
 # Logs and metrics land in OUT (at most 8 files come back from a device call); a table is printed last.
 set -uo pipefail
-STAGE=${1:?see|see+sft|sft|sft+grpo|grpo|pack|unpack}; OUT=${2:?out dir}; WORK=${3:?work dir}
+STAGE=${1:?see|see+sft|sft|sft+grpo|grpo|start|watch|pack|unpack}; OUT=${2:?out dir}; WORK=${3:?work dir}
 mkdir -p "$OUT" "$WORK"
-if [ "$STAGE" = pack ]; then
-  [ -f "$WORK/choice.env" ] || { echo "no $WORK/choice.env: nothing to pack"; exit 2; }
+newest_control_model() {  # the newest control model folder under WORK, relative to it (none: prints nothing)
+  # a control's final/ once it has ended; while it runs (a detached stage, watched) its newest step_K/ save
+  local k step
+  for k in $(ls -d "$WORK"/control_*/ 2>/dev/null | sed 's|.*/control_\([0-9]*\)/$|\1|' | sort -rn); do
+    [ -d "$WORK/control_$k/final" ] && { echo "control_$k/final"; return; }
+    step=$(ls -d "$WORK/control_$k"/step_*/ 2>/dev/null | sed 's|.*/step_\([0-9]*\)/$|\1|' | sort -rn | head -1)
+    [ -n "$step" ] && { echo "control_$k/step_$step"; return; }
+  done
+}
+pack_state() {  # pack_state DEST KIND WITH_START: what going on needs as DEST/KIND.tar.* pieces
+  local dest=$1 kind=$2 with_start=$3 run=runs/learn n k
   # shellcheck disable=SC1091
   . "$WORK/choice.env"
-  run=runs/learn
-  files=(choice.env "$START")
+  local files=(choice.env)
+  [ "$with_start" = 1 ] && files+=("$START")
   [ -f "$WORK/$run/checkpoints/latest" ] && files+=("$run/metrics.jsonl" "$run/checkpoints/latest"
                                                     "$run/checkpoints/$(cat "$WORK/$run/checkpoints/latest")")
   n=$(ls -d "$WORK"/control_*/ 2>/dev/null | wc -l)
-  for k in $(seq 1 "$n"); do files+=("control_$k/sft_log.jsonl"); done
-  [ "$n" -gt 0 ] && files+=("control_$n/final")
-  tar -C "$WORK" -cf - "${files[@]}" | split -b 15M - "$OUT/state.tar."
+  for k in $(seq 1 "$n"); do [ -f "$WORK/control_$k/sft_log.jsonl" ] && files+=("control_$k/sft_log.jsonl"); done
+  k=$(newest_control_model)
+  [ -n "$k" ] && files+=("$k")
+  mkdir -p "$dest" && rm -f "$dest/$kind.tar."*
+  # equal pieces of at most 15 MiB: as few files as can be (a device call returns 8 files, 16 MiB each)
+  tar -C "$WORK" -cf "$WORK/$kind.tar" "${files[@]}" || return 1
+  split -n "$(( ($(stat -c %s "$WORK/$kind.tar") + 15728639) / 15728640 ))" "$WORK/$kind.tar" "$dest/$kind.tar."
+  rm -f "$WORK/$kind.tar"
+}
+summary() {  # the held-out table of GRPO and its control, from OUT's grpo_metrics.jsonl and control.jsonl
+python - "$1" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+print("\n=== held-out greedy solve rate / first_try_open: GRPO (by step) vs continued SFT (by step), from the same "
+      "checkpoint ===")
+grpo = [json.loads(l) for l in (out / "grpo_metrics.jsonl").read_text().splitlines()] if (out / "grpo_metrics.jsonl").exists() else []
+def rate_and_seeing(m):  # greedy solve rate / first_try_open, and the sampled solve rate with eval.samples
+    sampled = f"(s{m['eval_sampled_solve_rate']:.2f})" if "eval_sampled_solve_rate" in m else ""
+    return f"{m['eval_solve_rate']:.2f}/{m.get('eval_why_first_try_open', 0):.2f}{sampled}"
+print("grpo   ", " ".join(f"{m['step']}:{rate_and_seeing(m)}" for m in grpo if "eval_solve_rate" in m))
+ctrl = [json.loads(l) for l in (out / "control.jsonl").read_text().splitlines()] if (out / "control.jsonl").exists() else []
+print("control", " ".join(f"{m['sft_step']}@{m['elapsed_s']:.0f}s:{rate_and_seeing(m)}" for m in ctrl if "eval_solve_rate" in m))
+PY
+}
+if [ "$STAGE" = pack ]; then
+  [ -f "$WORK/choice.env" ] || { echo "no $WORK/choice.env: nothing to pack"; exit 2; }
+  pack_state "$OUT" state 1
   ls -l "$OUT"/state.tar.*
   exit 0
 fi
 if [ "$STAGE" = unpack ]; then
   found=0
-  for kind in start state; do
+  for kind in start state delta; do  # in this order: a delta goes on top of the state it continues
     compgen -G "$OUT/$kind.tar.*" > /dev/null || continue
     cat "$OUT/$kind.tar."* | tar -C "$WORK" -xf - && found=1 || { echo "$kind.tar.* in $OUT does not unpack"; exit 2; }
   done
-  [ "$found" = 1 ] || { echo "no start.tar.* or state.tar.* pieces in $OUT"; exit 2; }
+  [ "$found" = 1 ] || { echo "no start.tar.*, state.tar.* or delta.tar.* pieces in $OUT"; exit 2; }
   ls "$WORK"
+  exit 0
+fi
+if [ "$STAGE" = start ]; then
+  # the grpo stage in a process session of its own: the device keeps such a process when the call that started it
+  # returns, until the machine goes back, so one engine start serves the whole session and later calls watch it
+  [ -f "$WORK/detached.pid" ] && kill -0 "$(cat "$WORK/detached.pid")" 2>/dev/null &&
+    { echo "a detached stage already runs in $WORK (pid $(cat "$WORK/detached.pid"))"; exit 2; }
+  setsid nohup bash -c 'echo $$ > "$1/detached.pid"; exec bash "$2" grpo "$1/detached_out" "$1" "$3"' _ \
+    "$WORK" "$(readlink -f "$0")" "${4:?minutes}" > "$WORK/detached.log" 2>&1 < /dev/null &
+  for _ in 1 2 3 4 5; do [ -s "$WORK/detached.pid" ] && break; sleep 1; done
+  echo "the grpo stage runs detached (pid $(cat "$WORK/detached.pid")) for $4 minutes + its start;" \
+       "follow it with: learn.sh watch OUT $WORK SECONDS"
+  exit 0
+fi
+if [ "$STAGE" = watch ]; then
+  # follow the detached stage for at most SECONDS, then bring its logs, metrics and the run so far (OUT/delta.tar.*,
+  # from the latest complete checkpoints) into OUT: a machine lost after this call loses only the steps after it
+  pid=$(cat "$WORK/detached.pid" 2>/dev/null) || { echo "no detached stage in $WORK: learn.sh start first"; exit 2; }
+  t0=$(date +%s)
+  while kill -0 "$pid" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "${4:?seconds}" ]; do sleep 5; done
+  running=0; kill -0 "$pid" 2>/dev/null && running=1
+  cp "$WORK"/detached_out/grpo_*.log "$OUT"/ 2>/dev/null
+  cp "$WORK/runs/learn/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
+  cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl" 2>/dev/null
+  # a checkpoint can commit while tar reads: once more on failure (keep_last 3 keeps the one read meanwhile)
+  pack_state "$OUT" delta 0 2>/dev/null || { sleep 5; pack_state "$OUT" delta 0; }
+  echo "delta: $(ls "$OUT"/delta.tar.* | wc -l) pieces, $(cat "$OUT"/delta.tar.* | wc -c) bytes, control model" \
+       "$(newest_control_model)"
+  grep -h -E "^step|Error" "$OUT"/grpo_*.log | tail -15
+  summary "$OUT"
+  [ "$running" = 1 ] && { echo "the detached stage runs on (pid $pid)"; exit 3; }
+  tail -3 "$WORK/detached.log"
+  echo "the detached stage has ended"
   exit 0
 fi
 MINUTES=${4:?minutes}
@@ -185,11 +264,14 @@ fi
 read -r -a OVR <<< "$OVERRIDES"
 n=$(ls -d "$WORK"/control_*/ 2>/dev/null | wc -l)
 CONTROL_INIT=$WORK/$START
-[ "$n" -gt 0 ] && CONTROL_INIT="$WORK/control_$n/final"
-sft_lr=$(printf '%s\n' "${OVR[@]}" | sed -n 's/^sft.lr=//p')
-python scripts/sft.py "$CFG" "$WORK/control_$((n + 1))" "${OVR[@]}" model.path="$CONTROL_INIT" train.seed=$((43 + n)) \
-  "${SFT_ARGS[@]}" --warmup 10 --max-minutes "$MINUTES" > "$WORK/control_$((n + 1)).log" 2>&1 &
-control=$!
+newest=$(newest_control_model)
+[ -n "$newest" ] && CONTROL_INIT="$WORK/$newest"
+control=
+if [ "${CONTROL:-1}" = 1 ]; then  # CONTROL=0: GRPO alone on the GPU (its speed without a neighbour; no new control)
+  python scripts/sft.py "$CFG" "$WORK/control_$((n + 1))" "${OVR[@]}" model.path="$CONTROL_INIT" train.seed=$((43 + n)) \
+    "${SFT_ARGS[@]}" --warmup 10 --max-minutes "$MINUTES" > "$WORK/control_$((n + 1)).log" 2>&1 &
+  control=$!
+fi
 # the logs come back even when the device call's limit cuts this stage short
 ( while sleep 20; do
     cp "$WORK/runs/learn/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
@@ -227,22 +309,13 @@ if [ "$code" != 0 ] && [ "$graphs" = 1 ] && python3 -c "import sys; sys.exit(0 i
   grpo_call "$left" rollout.enforce_eager=true
   echo "app.main exit code $?"
 fi
-wait $control
+[ -n "$control" ] && wait "$control"
 kill $copier
-cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl"
+cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl" 2>/dev/null
 cp "$WORK/runs/learn/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
-tail -5 "$WORK/control_$((n + 1)).log"
+# the run so far, less the start model the carried state already holds: a device machine lost between calls then
+# loses no steps (unpack PIECES with the state's and these pieces together goes on from here)
+[ "${SAVE_DELTA:-1}" = 1 ] && pack_state "$OUT" delta 0 && echo "delta: $(ls "$OUT"/delta.tar.* | wc -l) pieces, $(cat "$OUT"/delta.tar.* | wc -c) bytes"
+[ -n "$control" ] && tail -5 "$WORK/control_$((n + 1)).log"
 grep -E "^step|Error" "$OUT/grpo_$((n + 1)).log" | tail -25
-python - "$OUT" "$sft_lr" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-print("\n=== held-out greedy solve rate / first_try_open: GRPO (by step) vs continued SFT (by step), from the same "
-      "checkpoint ===")
-grpo = [json.loads(l) for l in (out / "grpo_metrics.jsonl").read_text().splitlines()] if (out / "grpo_metrics.jsonl").exists() else []
-def rate_and_seeing(m):  # greedy solve rate / first_try_open, and the sampled solve rate with eval.samples
-    sampled = f"(s{m['eval_sampled_solve_rate']:.2f})" if "eval_sampled_solve_rate" in m else ""
-    return f"{m['eval_solve_rate']:.2f}/{m.get('eval_why_first_try_open', 0):.2f}{sampled}"
-print("grpo   ", " ".join(f"{m['step']}:{rate_and_seeing(m)}" for m in grpo if "eval_solve_rate" in m))
-ctrl = [json.loads(l) for l in (out / "control.jsonl").read_text().splitlines()]
-print("control", " ".join(f"{m['sft_step']}@{m['elapsed_s']:.0f}s:{rate_and_seeing(m)}" for m in ctrl if "eval_solve_rate" in m))
-PY
+summary "$OUT"
