@@ -141,6 +141,8 @@ class TrainConfig:
     micro_batch: int = knob(4, "sequences per forward/backward on one trainer rank", ge=1)
     picture_cache_gb: float = knob(0.0, "processed pictures kept on the trainer's device, by content (repeated "
                                         "maze states skip the host-side image processor); 0 disables", ge=0.0)
+    vision_cache_gb: float = knob(1.0, "the frozen vision tower's outputs kept per distinct picture on the trainer's "
+                                       "device (one trainer process; app/vision_cache.py); 0 recomputes them", ge=0.0)
     update_epochs: int = knob(1, "optimizer passes over each step's batch", ge=1)
     clip_low: float = knob(0.2, "PPO ratio clip below 1", ge=0.0, lt=1.0)
     clip_high: float = knob(0.2, "PPO ratio clip above 1", ge=0.0)

@@ -8,6 +8,7 @@ of forward/backward passes (FSDP's collectives must line up), padding with zero-
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -25,6 +26,7 @@ from app.step_advantages import advantages_for
 from app.train_batch import TrainItem, advantage_table, build_items, micro_batches, shard
 from app.trajectory import Trajectory
 from app.trust_region import bounded_step
+from app.vision_cache import VisionCache
 
 
 class PolicyTrainer:
@@ -50,6 +52,9 @@ class PolicyTrainer:
                 raise ValueError("full-model SFT runs in one process; train_base with a process group is not supported")
             for p in self.model.parameters():
                 p.requires_grad_(True)
+        self.vision_cache = None
+        if cfg.train.vision_cache_gb > 0 and not train_base and not self.distributed:  # why not: app/vision_cache.py
+            self.vision_cache = VisionCache(self.model.base_model.model.model, int(cfg.train.vision_cache_gb * 2**30))
         if self.distributed:
             self._shard_with_fsdp2()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -117,7 +122,10 @@ class PolicyTrainer:
         wanted = mask[:, 1:].any(dim=0).nonzero().squeeze(-1)  # positions t-1 that predict a trained token t
         temperature = self.cfg.rollout.temperature if temperature is None else temperature
         ctx = torch.enable_grad() if with_grad else torch.no_grad()
-        with ctx:
+        pictures = contextlib.nullcontext()
+        if self.vision_cache is not None:
+            pictures = self.vision_cache.serving([PictureCache.key(png) for it in batch for png in it.images])
+        with ctx, pictures:
             if adapter:
                 out = self.model(**inputs, logits_to_keep=wanted.to(self.device), use_cache=False)
             else:
