@@ -22,7 +22,7 @@ class RolloutActor:
         self.cfg, self.index = cfg, index
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model_dir = str(ensure_model(cfg.model, model_cache))
-        self.engine = make_engine(cfg, self.model_dir, device)
+        self.engine = make_engine(cfg, self.model_dir, device, index)
         self.settings = episode_settings(cfg)
 
     def ready(self) -> dict:

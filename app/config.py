@@ -126,6 +126,9 @@ class RolloutConfig:
                                 "0 keeps all (1: the context is the task, the last action and the current picture)", ge=0)
     max_model_len: int = knob(4096, "longest context (prompt + replies) an engine accepts", ge=256)
     enforce_eager: bool = knob(True, "vLLM without CUDA graphs: fast start, slower decode")
+    kv_cache_gb: float = knob(0.0, "a vLLM engine's KV cache in GiB on a GPU, set instead of measured: engines that start "
+                                   "together on one GPU mis-measure each other (placement.rollouts_per_bundle > 1); "
+                                   "0 sizes it from gpu_memory_utilization", ge=0.0)
 
 
 @dataclass
@@ -198,6 +201,9 @@ class PlacementConfig:
                                      "share one GPU (set rollout.gpu_memory_utilization to match)", ge=0, le=1)
     cpus_per_bundle: float = knob(1.0, "CPUs in each bundle, shared by its rollout actor and trainer rank", gt=0.0)
     colocate_all: bool = knob(True, "rollout actor i and trainer rank i share bundle i (phases alternate)")
+    rollouts_per_bundle: int = knob(1, "rollout actors (engines) in each bundle, sharing its rollout GPU and CPUs: an "
+                                       "in-process vLLM engine is one host thread, so small models generate faster "
+                                       "from several", ge=1, le=16)
     evaluator_cpus: float = knob(0.1, "CPUs reserved for the evaluator", gt=0.0)
     consolidator_cpus: float = knob(0.1, "CPUs reserved for the checkpoint consolidator on the head node", gt=0.0)
     ray_address: str | None = knob(None, "Ray cluster to join ('auto' or host:port); none starts a local one")
@@ -428,6 +434,17 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
         raise ConfigError("train.min_informative_groups", f"{t.min_informative_groups} groups cannot come from "
                           f"{1 + t.refill_rounds} rounds of {t.mazes_per_step} mazes",
                           "lower it, or raise train.refill_rounds or train.mazes_per_step")
+    if p.rollouts_per_bundle > 1 and r.engine == "vllm" and p.gpus_per_bundle > 0:
+        if not r.kv_cache_gb:
+            raise ConfigError("rollout.kv_cache_gb", f"it is 0 with {p.rollouts_per_bundle} engines a GPU: engines that "
+                              "start together count each other's memory as their own and size their KV cache wrongly "
+                              "(or fail)", "set rollout.kv_cache_gb, e.g. 2 for a small model")
+        share = p.gpus_per_bundle * (0.5 if p.colocate_all else 1.0)
+        if p.rollouts_per_bundle * r.gpu_memory_utilization > share + 1e-9:
+            raise ConfigError("rollout.gpu_memory_utilization", f"{p.rollouts_per_bundle} engines x "
+                              f"{r.gpu_memory_utilization} of the GPU is more than the {share:g} GPU their bundle gives "
+                              "them", f"lower it to {share / p.rollouts_per_bundle:.3g} or less (it is the memory "
+                              "an engine needs free at its start; kv_cache_gb is what it takes)")
     if t.advantage == "grpo" and r.n_samples_per_prompt < 2:
         raise ConfigError("rollout.n_samples_per_prompt", "GRPO needs at least 2 samples per maze to compare",
                           "set rollout.n_samples_per_prompt to 2 or more (8 in the reference run)")

@@ -89,7 +89,7 @@ def spawn(cfg: Config, plan: placement.Plan) -> Actors:
     pg = placement.create_placement_group(plan, cfg.placement.wait_for_resources_s, name=f"mazerl-{cfg.run_name}")
     n = plan.num_pairs
     rollouts = [RolloutActor.options(name=f"rollout-{i}", **placement.rollout_options(plan, pg, i))
-                .remote(cfg, i, cache) for i in range(n)]
+                .remote(cfg, i, cache) for i in range(plan.num_rollouts)]
     trainers = [TrainerActor.options(name=f"trainer-{r}", **placement.trainer_options(plan, pg, r))
                 .remote(cfg, r, n, cache) for r in range(n)]
     evaluator = EvaluatorActor.options(name="evaluator", **placement.evaluator_options(plan)).remote(
@@ -132,13 +132,16 @@ def rollout_phase(actors: Actors, mazes, cfg: Config, step: int, round_: int = 0
 
     from app.engines import Sampling
 
-    sampling = Sampling(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                        seed=cfg.train.seed * 1_000_003 + step * 7_919 + round_ * 104_729)
+    seed = cfg.train.seed * 1_000_003 + step * 7_919 + round_ * 104_729
     shares = [[] for _ in actors.rollouts]
     for group, maze in enumerate(mazes, start=round_ * len(mazes)):
         shares[group % len(shares)].append((maze, group))  # the maze itself: its start may not be the seed's
-    refs = [a.play.remote(share, cfg.rollout.n_samples_per_prompt, sampling)
-            for a, share in zip(actors.rollouts, shares)]
+    # each actor its own seeds: an engine seeds request i with seed + i, so actors sharing one would draw the same
+    # random numbers for their i-th runs (the offset is past any one actor's requests x turns)
+    refs = [a.play.remote(share, cfg.rollout.n_samples_per_prompt,
+                          Sampling(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
+                                   seed=seed + k * 15_485_863))
+            for k, (a, share) in enumerate(zip(actors.rollouts, shares)) if share]
     summaries = ray.get([s for s, _ in refs])
     return summaries, [t for _, t in refs]
 

@@ -162,9 +162,11 @@ class PolicyTrainer:
         # construction, so only a later pass shows how far the update moved the policy and what the clip cut
         moved = torch.zeros(3, dtype=torch.float64)
         grad_norm, bound = 0.0, None
-        old = [None] * passes
-        if cfg.update_epochs > 1:  # the update changes the policy: freeze the pre-update logprobs first
-            old = [self.token_logprobs(batches.get(i)[0], with_grad=False)[0] for i in range(passes)]
+        # the pre-update logprobs, for the later passes' ratios and the trust region's drift: the first pass's own,
+        # since the optimizer steps only after a whole pass over the batch (a separate no-grad forward was one
+        # forward of the batch in five for nothing)
+        old: list[torch.Tensor | None] = [None] * passes
+        keep_old = cfg.update_epochs > 1 or cfg.max_update_kl > 0
         for epoch in range(cfg.update_epochs):
             moved.zero_()  # what the last pass run shows (passes may stop early under max_update_kl)
             for i in range(passes):
@@ -172,7 +174,7 @@ class PolicyTrainer:
                 logp, entropy, mask, wanted = self.token_logprobs(batch, with_grad=True,
                                                                   entropy_grad=cfg.entropy_coef > 0)
                 old_logp = logp.detach() if old[i] is None else old[i]
-                if cfg.max_update_kl > 0 and old[i] is None:  # the first pass runs before any step: pre-update
+                if keep_old and old[i] is None:  # the first pass runs before any step: pre-update
                     old[i] = old_logp
                 adv = advantage_table(batch)[:, wanted + 1].to(logp.device)
                 ref = None

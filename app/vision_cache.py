@@ -26,6 +26,10 @@ from types import SimpleNamespace
 import torch
 
 
+def _per_picture(value, sizes: list[int]) -> list[torch.Tensor]:
+    return list(value) if isinstance(value, (tuple, list)) else list(torch.split(value, sizes))
+
+
 class VisionCache:
     def __init__(self, vl_model, max_bytes: int):
         """vl_model: the transformers Qwen3-VL model whose forward calls `self.get_image_features`."""
@@ -34,6 +38,7 @@ class VisionCache:
         self._entries: OrderedDict[bytes, tuple[torch.Tensor, list[torch.Tensor]]] = OrderedDict()
         self._keys: list[bytes] | None = None
         self.bytes = self.hits = self.misses = 0
+        self._split = (True, True)  # whether get_image_features returns (pooled, deepstack) split per picture
         vl_model.get_image_features = self._serve
 
     @contextlib.contextmanager
@@ -68,16 +73,28 @@ class VisionCache:
             kwargs.pop("return_dict", None)
             with torch.no_grad():
                 out = self.compute(pixels, grids, return_dict=True, **kwargs)
+            # transformers 5.19 splits both outputs per picture; 5.17 (the GPU image) leaves the deepstack
+            # features concatenated, and its forward reads them so: serve what this version's own call returns
+            self._split = (isinstance(out.pooler_output, (tuple, list)),
+                           isinstance(out.deepstack_features[0], (tuple, list)))
+            sizes = (grids.prod(-1) // self.vl_model.visual.spatial_merge_size ** 2).tolist()
+            pooled = _per_picture(out.pooler_output, sizes)
+            deepstack = [_per_picture(f, sizes) for f in out.deepstack_features]
             for j, key in enumerate(missing):
-                self._store(key, out.pooler_output[j].detach(), [f[j].detach() for f in out.deepstack_features])
+                self._store(key, pooled[j].detach(), [f[j].detach() for f in deepstack])
         entries = [self._entries[k] for k in keys]
         for k in keys:
             self._entries.move_to_end(k)
         self._evict(keep=set(keys))
         layers = len(entries[0][1])
-        # the two attributes the model's forward reads; a tuple per picture, as get_image_features splits them
-        return SimpleNamespace(pooler_output=tuple(e[0] for e in entries),
-                               deepstack_features=[tuple(e[1][i] for e in entries) for i in range(layers)])
+        split_pooled, split_deepstack = self._split
+
+        def joined(parts: tuple, split: bool):
+            return parts if split else torch.cat(parts)
+        # the two attributes the model's forward reads, shaped as this version's get_image_features shapes them
+        return SimpleNamespace(pooler_output=joined(tuple(e[0] for e in entries), split_pooled),
+                               deepstack_features=[joined(tuple(e[1][i] for e in entries), split_deepstack)
+                                                   for i in range(layers)])
 
     @staticmethod
     def _size(entry: tuple[torch.Tensor, list[torch.Tensor]]) -> int:

@@ -2,8 +2,10 @@
 
 Colocated (the default): N bundles; rollout actor i and trainer rank i share bundle i, each with half
 its GPU and half its CPUs, and take turns (the engine sleeps while the trainer trains). Not colocated:
-2N bundles, rollout actors in the first N, trainers in the last N, each with a whole bundle. The
-evaluator needs only a little CPU anywhere; the consolidator is pinned to the head node because it
+2N bundles, rollout actors in the first N, trainers in the last N, each with a whole bundle. With
+placement.rollouts_per_bundle M, M rollout actors share what one would have had in a bundle (rollout actor j
+sits in bundle j // M): an in-process vLLM engine prepares its requests on one host thread, and a small model
+leaves the GPU idle while it does (docs/BENCHMARKS.md). The evaluator needs only a little CPU anywhere; the consolidator is pinned to the head node because it
 writes to the head's shared directory and outlives worker nodes.
 """
 
@@ -21,6 +23,7 @@ RAY_HEAD_MARKER = "node:__internal_head__"
 @dataclass(frozen=True)
 class Plan:
     num_pairs: int
+    rollouts_per_bundle: int
     colocated: bool
     bundles: list[dict]
     strategy: str
@@ -31,8 +34,12 @@ class Plan:
     evaluator_cpus: float
     consolidator_cpus: float
 
+    @property
+    def num_rollouts(self) -> int:
+        return self.num_pairs * self.rollouts_per_bundle
+
     def rollout_bundle(self, i: int) -> int:
-        return i
+        return i // self.rollouts_per_bundle
 
     def trainer_bundle(self, i: int) -> int:
         return i if self.colocated else self.num_pairs + i
@@ -57,8 +64,9 @@ def make_plan(cfg: Config) -> Plan:
     else:
         share = 1.0
         bundles = [dict(bundle) for _ in range(2 * n)]
-    return Plan(num_pairs=n, colocated=p.colocate_all, bundles=bundles, strategy="PACK",
-                rollout_gpus=gpus * share, rollout_cpus=cpus * share, trainer_gpus=gpus * share,
+    m = p.rollouts_per_bundle
+    return Plan(num_pairs=n, rollouts_per_bundle=m, colocated=p.colocate_all, bundles=bundles, strategy="PACK",
+                rollout_gpus=gpus * share / m, rollout_cpus=cpus * share / m, trainer_gpus=gpus * share,
                 trainer_cpus=cpus * share, evaluator_cpus=p.evaluator_cpus, consolidator_cpus=p.consolidator_cpus)
 
 
@@ -160,9 +168,8 @@ def simulate(plan: Plan, nodes: list[tuple[str, dict]]) -> list[str]:
 def describe(plan: Plan, cluster_resources: dict | None = None) -> str:
     lines = [f"placement group: {len(plan.bundles)} bundles, strategy {plan.strategy}"]
     for i, b in enumerate(plan.bundles):
-        who = []
-        if i < plan.num_pairs:
-            who.append(f"rollout-{i} (GPU {plan.rollout_gpus:g}, CPU {plan.rollout_cpus:g})")
+        who = [f"rollout-{j} (GPU {plan.rollout_gpus:g}, CPU {plan.rollout_cpus:g})"
+               for j in range(plan.num_rollouts) if plan.rollout_bundle(j) == i]
         for r in range(plan.num_pairs):
             if plan.trainer_bundle(r) == i:
                 who.append(f"trainer-{r} (GPU {plan.trainer_gpus:g}, CPU {plan.trainer_cpus:g})")

@@ -689,3 +689,35 @@ def test_a_fractional_gpu_bundle_lets_two_jobs_share_one_gpu():
                              "rollout.gpu_memory_utilization=0.2"])
     plan = make_plan(cfg)
     assert plan.total_gpus == 0.5 and plan.rollout_gpus == plan.trainer_gpus == 0.25
+
+
+def test_engines_sharing_a_gpu_need_a_given_kv_cache_and_room(vllm_installed: None) -> None:
+    gpu = ["rollout.engine=vllm", "model.dtype=bfloat16", "placement.gpus_per_bundle=1", "placement.rollouts_per_bundle=4"]
+    with pytest.raises(ConfigError) as info:  # engines starting together would measure each other's memory
+        load_config(None, [*gpu, "rollout.gpu_memory_utilization=0.1"])
+    assert_one_line_error(info.value, "rollout.kv_cache_gb")
+    with pytest.raises(ConfigError) as info:  # 4 x 0.2 of the GPU at start is more than the rollout half of it
+        load_config(None, [*gpu, "rollout.kv_cache_gb=2", "rollout.gpu_memory_utilization=0.2"])
+    assert_one_line_error(info.value, "rollout.gpu_memory_utilization")
+    assert "0.125" in str(info.value)
+    cfg = load_config(None, [*gpu, "rollout.kv_cache_gb=2", "rollout.gpu_memory_utilization=0.1"])
+    from placement.plan import describe, make_plan
+
+    plan = make_plan(cfg)
+    assert plan.num_rollouts == 4 and plan.num_pairs == 1
+    assert plan.rollout_gpus == 0.125 and plan.trainer_gpus == 0.5 and plan.total_gpus == 1
+    assert [plan.rollout_bundle(j) for j in range(4)] == [0, 0, 0, 0]
+    assert "rollout-3 (GPU 0.125" in describe(plan)
+    # on a CPU, or with the transformers engine, nothing is measured: several engines a bundle need no kv_cache_gb
+    assert load_config(None, ["placement.rollouts_per_bundle=3"]).placement.rollouts_per_bundle == 3
+
+
+def test_rollout_actors_fill_bundles_in_order() -> None:
+    from placement.plan import describe, make_plan
+
+    plan = make_plan(load_config(None, ["placement.num_bundles=2", "placement.rollouts_per_bundle=3",
+                                        "placement.cpus_per_bundle=6"]))
+    assert [plan.rollout_bundle(j) for j in range(plan.num_rollouts)] == [0, 0, 0, 1, 1, 1]
+    assert plan.rollout_cpus == 1.0 and plan.trainer_cpus == 3.0 and plan.total_cpus == 12 + 0.2
+    text = describe(plan)
+    assert "bundle 1: {'CPU': 6.0} -> rollout-3 (GPU 0, CPU 1), rollout-4" in text and "trainer-1" in text

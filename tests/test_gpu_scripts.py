@@ -61,6 +61,22 @@ def test_learn_see_then_sft_starts_the_warm_start_from_the_model_that_sees(tmp_p
     assert "START=" in choice and f"model.path={work / 'seeing'}" not in choice  # the start is an SFT checkpoint
 
 
+def test_learn_sft_evaluates_densely_past_fine_eval_and_fails_when_no_start_qualifies(tmp_path):
+    """FINE_EVAL="0 1": every step is evaluated after the first reading; START_AT_MOST=-1: no checkpoint can qualify,
+    so the stage exits 4 (not 0), and a stage chained after it with && does not start."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    done = run_script(["scripts/gpu/learn.sh", "sft", str(out), str(work), "0.5"], DEVICE="cpu", EVAL_EVERY="2",
+                      FINE_EVAL="0 1", START_AT_MOST="-1", SIZES="7", SFT_LRS="3e-4",
+                      EXTRA="eval.num_mazes=1 sft.mazes_per_step=1 sft.variants=1 rollout.max_turns=12 "
+                            "train.picture_cache_gb=0")
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "no GRPO start chosen" in done.stdout and not (work / "choice.env").exists()
+    sft = [json.loads(line) for line in (out / "sft_s7_lr3e-4.jsonl").read_text().splitlines()]
+    evaluated = [e["sft_step"] for e in sft if "eval_solve_rate" in e]
+    assert evaluated[0] == 2 and evaluated == list(range(2, sft[-1]["sft_step"] + 1)), evaluated
+    assert len(evaluated) >= 3, evaluated  # not only the first and the last step's (a last step is always evaluated)
+
+
 def _sft_log(folder: Path, evaluations: list[tuple[int, float, float]], overrides: str = "sft.lr=3e-4") -> None:
     folder.mkdir(parents=True)
     lines = []
@@ -242,6 +258,21 @@ def test_learn_grpo_goes_on_without_cuda_graphs_when_the_run_with_them_fails(sft
     assert eager.returncode == 0, eager.stdout + eager.stderr
     assert "again without them" not in eager.stdout
     assert (tmp_path / "out2" / "grpo_3.log").read_text().count("engine failed to capture CUDA graphs") == 1
+    # RETRY_EXTRA: a failed run goes on with those overrides instead (here: one engine a bundle, not two), graphs or not
+    (shim / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ " $* " == *" -m app.main "* && " $* " != *" placement.rollouts_per_bundle=1 "* ]]; then '
+        'echo "engines failed to start side by side"; exit 1; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    several = run_script(["scripts/gpu/learn.sh", "grpo", str(tmp_path / "out3"), str(copy), "4"],
+                         CONFIG="configs/tiny.yaml", DEVICE="cpu", EVAL_EVERY="1", CONTROL="0",
+                         PATH=f"{shim}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                         RETRY_EXTRA="placement.rollouts_per_bundle=1",
+                         EXTRA=f"sft.steps=2 train.max_steps=4 placement.rollouts_per_bundle=2 {SMOKE}")
+    assert several.returncode == 0, several.stdout + several.stderr
+    assert "again with RETRY_EXTRA (placement.rollouts_per_bundle=1)" in several.stdout
+    grpo = [json.loads(line) for line in (tmp_path / "out3" / "grpo_metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in grpo if "train_loss" in m][-1] == 4
 
 
 def test_profile_summary_counts_inclusive_and_self_samples(tmp_path):

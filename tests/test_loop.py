@@ -121,6 +121,40 @@ def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_p
 
 
 
+def test_several_rollout_actors_a_bundle_play_their_shares_and_hold_rank0s_lora(ray_cluster, tmp_path):
+    """placement.rollouts_per_bundle=2 on 2 bundles: 4 rollout actors for 2 trainer ranks. Each plays its share of a
+    round, each draws its own random numbers (the same maze handed to two actors is played differently), and after
+    a sync every one of them generates with rank 0's adapter."""
+    import ray
+
+    from actors.rollout import lora_checksum
+    from app.driver import absolute_paths, rollout_phase, shutdown, spawn, sync_lora
+    from app.sampler import MazeSampler
+    from placement.plan import make_plan
+
+    cfg = absolute_paths(tiny_config(f"output_dir={tmp_path}", *FAST, "placement.rollouts_per_bundle=2"))
+    plan = make_plan(cfg)
+    assert plan.num_rollouts == 4 and plan.num_pairs == 2
+    actors = spawn(cfg, plan)
+    try:
+        assert len(actors.rollouts) == 4 and len(actors.trainers) == 2
+        sync_lora(actors, [t.lora.remote() for t in actors.trainers][0], 0)
+        maze = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set()).next(1)[0]
+        _, refs = rollout_phase(actors, [maze] * 4, cfg, 1)  # group k goes to actor k: one maze, four actors
+        by_actor = ray.get(refs)
+        assert [{t.group for t in batch} for batch in by_actor] == [{0}, {1}, {2}, {3}]
+        replies = [tuple(tuple(t.replies) for t in batch) for batch in by_actor]
+        assert len(set(replies)) == 4, "two rollout actors drew the same random numbers"
+        assert all(s["prompts"] > 0 for s in ray.get([a.stats.remote() for a in actors.rollouts]))
+        results = [t.step.remote(refs, 1) for t in actors.trainers]
+        ray.get([m for m, _ in results])
+        sync_lora(actors, results[0][1], 1)
+        rank0 = lora_checksum(ray.get(results[0][1]))
+        assert ray.get([a.lora_checksum.remote() for a in actors.rollouts]) == [rank0] * 4
+    finally:
+        shutdown(actors)
+
+
 def test_bounded_steps_on_two_fsdp_ranks_fit_the_bound_in_lockstep(ray_cluster, tmp_path):
     """train.max_update_kl under FSDP2: both ranks measure the same all-reduced KL, halve the same step the same
     number of times (their collectives would hang otherwise), and the kept step fits the bound."""

@@ -72,3 +72,45 @@ def test_the_cache_stays_in_its_budget_but_keeps_what_the_batch_uses(tiny_model_
     assert len(trainer.vision_cache._entries) == in_use  # over budget, but all in use by the batch
     trainer.token_logprobs(second, with_grad=False, temperature=1.0)
     assert len(trainer.vision_cache._entries) == len({png for it in second for png in it.images})
+
+
+class _OlderTransformersModel(torch.nn.Module):
+    """get_image_features as transformers 5.17 (the GPU image) returns it: the pooled embeddings split per picture,
+    the deepstack features one concatenated tensor per layer, which its forward reads as they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.visual = torch.nn.Linear(2, 2)
+        self.visual.spatial_merge_size = 2
+        self.visual.requires_grad_(False)
+        self.calls = 0
+
+    def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
+        from types import SimpleNamespace
+
+        self.calls += 1
+        merged = pixel_values.reshape(-1, 4, pixel_values.shape[-1]).sum(1)  # 4 patches merge into one token
+        sizes = (image_grid_thw.prod(-1) // 4).tolist()
+        return SimpleNamespace(pooler_output=torch.split(merged, sizes), deepstack_features=[merged * 2, merged * 3])
+
+
+def test_the_cache_serves_the_output_shapes_of_the_transformers_it_runs_under():
+    from app.vision_cache import VisionCache
+
+    model = _OlderTransformersModel()
+    compute = model.get_image_features
+    cache = VisionCache(model, 1 << 20)
+    grids = torch.tensor([[1, 2, 2], [1, 4, 2], [1, 2, 2]])  # pictures of 1, 2 and 1 tokens; the first and last equal
+    a, b = torch.randn(4, 3), torch.randn(8, 3)
+    pixels = torch.cat([a, b, a])
+    want = compute(pixels, grids)
+    with cache.serving([b"a", b"b", b"a"]):
+        got = model.get_image_features(pixels, grids)
+        assert cache.misses == 2 and cache.hits == 1
+        again = model.get_image_features(pixels, grids)  # all from the cache now
+    assert model.calls == 2 and cache.hits == 4  # the direct call, then one tower run for the two distinct pictures
+    for out in (got, again):
+        assert isinstance(out.pooler_output, tuple) and len(out.pooler_output) == 3
+        assert all(torch.allclose(x, y) for x, y in zip(out.pooler_output, want.pooler_output))
+        assert all(torch.is_tensor(f) for f in out.deepstack_features)  # concatenated, as this version's forward wants
+        assert all(torch.allclose(x, y) for x, y in zip(out.deepstack_features, want.deepstack_features))

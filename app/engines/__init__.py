@@ -15,8 +15,9 @@ def max_images_per_prompt(cfg: Config) -> int:
     return min(cfg.rollout.image_history or in_view, in_view)
 
 
-def make_engine(cfg: Config, model_dir: str, device: str = "cpu") -> Engine:
-    """The engine the config asks for, on this process's device."""
+def make_engine(cfg: Config, model_dir: str, device: str = "cpu", index: int = 0) -> Engine:
+    """The engine the config asks for, on this process's device; index: the rollout actor's, which offsets the
+    engine's own seed (the one a CPU engine samples with), so that actors do not draw the same random numbers."""
     if cfg.rollout.engine == "vllm":
         from app.engines.vllm import VLLMEngine
 
@@ -24,7 +25,7 @@ def make_engine(cfg: Config, model_dir: str, device: str = "cpu") -> Engine:
                           max_images=max_images_per_prompt(cfg),
                           gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                           sleep_level=cfg.rollout.sleep_level, enforce_eager=cfg.rollout.enforce_eager,
-                          seed=cfg.train.seed)
+                          seed=cfg.train.seed + index, kv_cache_gb=cfg.rollout.kv_cache_gb)
     from app.engines.hf import HFEngine
 
     return HFEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, device=device)

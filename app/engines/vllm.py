@@ -62,7 +62,10 @@ class VLLMEngine(Engine):
     def __init__(self, model_path: str, lora: LoraSettings, *, dtype: str = "float32", max_model_len: int = 4096,
                  max_images: int = 32, gpu_memory_utilization: float = 0.45, sleep_level: int = 1,
                  enforce_eager: bool = True, seed: int = 0, cpu_kv_cache_bytes: int = 256 << 20,
-                 mm_processor_cache_gb: float | None = None):
+                 mm_processor_cache_gb: float | None = None, kv_cache_gb: float = 0.0):
+        """kv_cache_gb (GPU): the KV cache's size, given instead of measured. vLLM measures it as the memory the
+        device lost while it profiled, so engines that start together on one GPU charge each other's allocations to
+        themselves (vllm-project/vllm#55827) and one that sees memory come back aborts; a given size skips that."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
@@ -81,6 +84,8 @@ class VLLMEngine(Engine):
             kwargs.update(mm_processor_cache_gb=mm_processor_cache_gb)
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0)
+            if kv_cache_gb > 0:
+                kwargs.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
         else:
             kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
         start = time.perf_counter()

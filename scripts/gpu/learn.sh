@@ -15,11 +15,13 @@
 #   bash scripts/gpu/learn.sh sft  OUT WORK MINUTES
 #       full-model SFT of the small Qwen3-VL in configs/learn_h200.yaml from random weights (or from INIT),
 #       variants side by side on the one GPU (SIZES="7 9" mazes x SFT_LRS="1e-3 3e-4", x VARIANTS_SPEC), each saving and
-#       evaluating a checkpoint every EVAL_EVERY (25) steps (STOP_ABOVE: stop a variant once it passes that rate).
+#       evaluating a checkpoint every EVAL_EVERY (25) steps (STOP_ABOVE: stop a variant once it passes that rate;
+#       FINE_EVAL="RATE K": every K steps once a reading passes RATE).
 #       Picks the start of GRPO among the checkpoints <= 50% (scripts/gpu/choose_start.py): CHOOSE=seeing (default)
 #       the one with the most move attempts into open cells, CHOOSE=rate the highest solve rate (SEEING_AT_LEAST: of
-#       the checkpoints with at least that share of move attempts into open cells); writes
-#       WORK/choice.env and packs it into OUT/start.tar.* (to carry on).
+#       the checkpoints with at least that share of move attempts into open cells; START_AT_MOST: a bound below 0.5, since
+#       the GRPO run's own step-0 reading under vLLM in bfloat16 differs by a point or two; FINE_EVAL: below); writes
+#       WORK/choice.env and packs it into OUT/start.tar.* (to carry on); exits 4 when no checkpoint qualifies.
 #   bash scripts/gpu/learn.sh sft+grpo OUT WORK MINUTES
 #       both in one call: sft for SFT_MINUTES, then grpo (below) for the rest of MINUTES.
 #   bash scripts/gpu/learn.sh grpo OUT WORK MINUTES
@@ -29,7 +31,7 @@
 #       ~MINUTES + 1.7 minutes (engine start, the control's last evaluation and save; 5.0 took 403 s): in a
 #       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
 #       before the table printed). A GRPO run with CUDA graphs (rollout.enforce_eager=false, as configs/learn_h200.yaml
-#       has it) that fails goes on without them for the minutes left. PROFILE_AFTER=S: py-spy samples of the rollout actor and trainer rank 0,
+#       has it) that fails goes on without them for the minutes left (RETRY_EXTRA="key=value ...": with these instead). PROFILE_AFTER=S: py-spy samples of the rollout actor and trainer rank 0,
 #       S seconds in, into OUT/profile_*.txt (scripts/profile_summary.py reads them). At its end the stage packs the run
 #       so far, less the start model, as OUT/delta.tar.* (4 pieces of <= 15 MiB for configs/learn_h200.yaml; SAVE_DELTA=0:
 #       not): a machine lost between calls loses no steps. Here, unpack the carried state's pieces and the delta's
@@ -122,6 +124,7 @@ if [ "$STAGE" = start ]; then
   # returns, until the machine goes back, so one engine start serves the whole session and later calls watch it
   [ -f "$WORK/detached.pid" ] && kill -0 "$(cat "$WORK/detached.pid")" 2>/dev/null &&
     { echo "a detached stage already runs in $WORK (pid $(cat "$WORK/detached.pid"))"; exit 2; }
+  rm -f "$WORK/detached.pid"  # an ended stage's: the wait below must read the new one's
   setsid nohup bash -c 'echo $$ > "$1/detached.pid"; exec bash "$2" grpo "$1/detached_out" "$1" "$3"' _ \
     "$WORK" "$(readlink -f "$0")" "${4:?minutes}" > "$WORK/detached.log" 2>&1 < /dev/null &
   for _ in 1 2 3 4 5; do [ -s "$WORK/detached.pid" ] && break; sleep 1; done
@@ -158,8 +161,11 @@ SIZE7=(maze.size=7 rollout.max_turns=25 train.dataset_size=704)
 SIZE9=(maze.size=9 rollout.max_turns=25 train.dataset_size=20000)
 # EXTRA: more key=value overrides for every run; DEVICE and EVAL_EVERY: for a smoke test on a CPU
 read -r -a EXTRA <<< "${EXTRA:-}"
+# FINE_EVAL="RATE K": evaluate every K steps once a reading passes RATE (scripts/sft.py --fine-eval), for a start
+# just under START_AT_MOST (0.5: issue #7's bound) without dense readings all the way there
+read -r -a FINE <<< "${FINE_EVAL:-}"
 SFT_ARGS=(model.dtype=float32 rollout.engine=hf output_dir="$WORK/runs" "${EXTRA[@]}" --full --device "${DEVICE:-cuda}"
-          --eval-every "${EVAL_EVERY:-25}")
+          --eval-every "${EVAL_EVERY:-25}" ${FINE_EVAL:+--fine-eval "${FINE[@]}"})
 
 if [ "$STAGE" = see ] || [ "$STAGE" = see+sft ]; then
   t0=$(date +%s)
@@ -243,7 +249,9 @@ if [ "$STAGE" = sft ]; then
     cp "$WORK/sft_$name/sft_log.jsonl" "$OUT/sft_$name.jsonl" 2>/dev/null || tail -30 "$WORK/sft_$name.log"
     echo "${VARIANTS[$name]}" | sed 's/ model.path=[^ ]*//' > "$WORK/sft_$name/overrides.txt"
   done
-  python scripts/gpu/choose_start.py "$WORK" --by "${CHOOSE:-seeing}" --seeing-at-least "${SEEING_AT_LEAST:-0}"
+  python scripts/gpu/choose_start.py "$WORK" --by "${CHOOSE:-seeing}" --seeing-at-least "${SEEING_AT_LEAST:-0}" \
+    --most "${START_AT_MOST:-0.5}"
+  chosen=$?
   [ -f "$WORK/choice.env" ] && cp "$WORK/choice.env" "$OUT/"
   if [ -f "$WORK/choice.env" ] && [ "$GRPO_AFTER" = 0 ]; then  # sft+grpo goes on here: nothing to carry
     # shellcheck disable=SC1091
@@ -251,6 +259,8 @@ if [ "$STAGE" = sft ]; then
     tar -C "$WORK" -cf "$WORK/start.tar" "$START" choice.env  # unpack into WORK on a fresh machine
     split -b 15M "$WORK/start.tar" "$OUT/start.tar."
   fi
+  # no checkpoint qualified: fail, so that a stage chained after this one (&& learn.sh start) does not run
+  [ "$chosen" = 0 ] || { echo "no GRPO start chosen (choose_start.py exit $chosen)"; exit 4; }
   [ "$GRPO_AFTER" = 1 ] || exit 0
   # sft+grpo: GRPO and its control from the chosen checkpoint, in the minutes the sft stage left
   MINUTES=$(python3 -c "print(round(max(0.5, $TOTAL_MINUTES - ($(date +%s) - $t_sft) / 60), 2))")
@@ -303,10 +313,15 @@ left=$(python3 -c "print(round($MINUTES - ($(date +%s) - $t_grpo) / 60, 2))")
 graphs=$(python -c "import sys; from app.config import load_config
 print(int(not load_config(sys.argv[1], sys.argv[2:], check_paths=False).rollout.enforce_eager))" \
   "$CFG" "${OVR[@]}" "${EXTRA[@]}" 2>/dev/null || echo 0)
-if [ "$code" != 0 ] && [ "$graphs" = 1 ] && python3 -c "import sys; sys.exit(0 if $left > 2 else 1)"; then
+# RETRY_EXTRA: overrides for a second try after a failure, e.g. back to a setting that ran before (one engine
+# instead of several: placement.rollouts_per_bundle=1 ...); without it, a run that captured CUDA graphs retries without
+retry=()
+if [ -n "${RETRY_EXTRA:-}" ]; then read -r -a retry <<< "$RETRY_EXTRA"; elif [ "$graphs" = 1 ]; then retry=(rollout.enforce_eager=true); fi
+if [ "$code" != 0 ] && [ "${#retry[@]}" -gt 0 ] && python3 -c "import sys; sys.exit(0 if $left > 2 else 1)"; then
   # CUDA graphs are an optimisation: an engine that fails with them goes on without, for the minutes left
-  echo "GRPO failed with CUDA graphs (rollout.enforce_eager=false); again without them for $left minutes"
-  grpo_call "$left" rollout.enforce_eager=true
+  if [ -n "${RETRY_EXTRA:-}" ]; then echo "GRPO failed (exit $code); again with RETRY_EXTRA (${retry[*]}) for $left minutes"
+  else echo "GRPO failed with CUDA graphs (rollout.enforce_eager=false); again without them for $left minutes"; fi
+  grpo_call "$left" "${retry[@]}"
   echo "app.main exit code $?"
 fi
 [ -n "$control" ] && wait "$control"
