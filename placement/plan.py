@@ -5,8 +5,8 @@ its GPU and half its CPUs, and take turns (the engine sleeps while the trainer t
 2N bundles, rollout actors in the first N, trainers in the last N, each with a whole bundle. With
 placement.rollouts_per_bundle M, M rollout actors share what one would have had in a bundle (rollout actor j
 sits in bundle j // M): an in-process vLLM engine prepares its requests on one host thread, and a small model
-leaves the GPU idle while it does (docs/BENCHMARKS.md). The evaluator needs only a little CPU anywhere; the consolidator is pinned to the head node because it
-writes to the head's shared directory and outlives worker nodes.
+leaves the GPU idle while it does (docs/BENCHMARKS.md). The evaluator needs only a little CPU anywhere; the
+consolidator is pinned to the head node because it writes to the head's shared directory and outlives worker nodes.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@
 #       ~MINUTES + 1.7 minutes (engine start, the control's last evaluation and save; 5.0 took 403 s): in a
 #       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
 #       before the table printed). A GRPO run with CUDA graphs (rollout.enforce_eager=false, as configs/learn_h200.yaml
-#       has it) that fails goes on without them for the minutes left (RETRY_EXTRA="key=value ...": with these instead). PROFILE_AFTER=S: py-spy samples of the rollout actor and trainer rank 0,
+#       has it) that fails goes on without them for the minutes left (RETRY_EXTRA="key=value ...": with these
+#       instead). PROFILE_AFTER=S: py-spy samples of the rollout actor and trainer rank 0,
 #       S seconds in, into OUT/profile_*.txt (scripts/profile_summary.py reads them). At its end the stage packs the run
 #       so far, less the start model, as OUT/delta.tar.* (4 pieces of <= 15 MiB for configs/learn_h200.yaml; SAVE_DELTA=0:
 #       not): a machine lost between calls loses no steps. Here, unpack the carried state's pieces and the delta's
@@ -314,11 +315,11 @@ graphs=$(python -c "import sys; from app.config import load_config
 print(int(not load_config(sys.argv[1], sys.argv[2:], check_paths=False).rollout.enforce_eager))" \
   "$CFG" "${OVR[@]}" "${EXTRA[@]}" 2>/dev/null || echo 0)
 # RETRY_EXTRA: overrides for a second try after a failure, e.g. back to a setting that ran before (one engine
-# instead of several: placement.rollouts_per_bundle=1 ...); without it, a run that captured CUDA graphs retries without
+# instead of several: placement.rollouts_per_bundle=1 ...); without it, a run that captured CUDA graphs retries
+# without them (an optimisation: an engine that fails with them goes on without, for the minutes left)
 retry=()
 if [ -n "${RETRY_EXTRA:-}" ]; then read -r -a retry <<< "$RETRY_EXTRA"; elif [ "$graphs" = 1 ]; then retry=(rollout.enforce_eager=true); fi
 if [ "$code" != 0 ] && [ "${#retry[@]}" -gt 0 ] && python3 -c "import sys; sys.exit(0 if $left > 2 else 1)"; then
-  # CUDA graphs are an optimisation: an engine that fails with them goes on without, for the minutes left
   if [ -n "${RETRY_EXTRA:-}" ]; then echo "GRPO failed (exit $code); again with RETRY_EXTRA (${retry[*]}) for $left minutes"
   else echo "GRPO failed with CUDA graphs (rollout.enforce_eager=false); again without them for $left minutes"; fi
   grpo_call "$left" "${retry[@]}"
