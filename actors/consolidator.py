@@ -1,7 +1,7 @@
 """ConsolidatorActor: pinned to the head node; writes adapters and full checkpoints, locally and to S3.
 
 It outlives worker nodes (a lost trainer node does not take the checkpoint writer with it), and it is
-the only writer of the checkpoint root, which app.checkpoint assumes.
+the only writer of the checkpoint root, which app.storage.checkpoint assumes.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from pathlib import Path
 import ray
 import torch
 
-from app import checkpoint
-from app.adapters import AdapterSpec, PackedTensors, pack, unpack
 from app.config import Config
-from app.storage import open_store
+from app.model.adapters import AdapterSpec, PackedTensors, pack, unpack
+from app.storage import checkpoint, open_store
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +54,15 @@ class ConsolidatorActor:
         """A PEFT adapter folder global_step_N in the export dir (and under s3://.../export)."""
         start = time.perf_counter()
         adapter = unpack(adapter)
-        locations = [checkpoint.export_adapter(store, step, adapter, self.spec.peft_config(self.cfg.model.path))
-                     for store in self.exports]
+        locations = [
+            checkpoint.export_adapter(store, step, adapter, self.spec.peft_config(self.cfg.model.path))
+            for store in self.exports
+        ]
         return {"export_s": time.perf_counter() - start, "locations": [str(x) for x in locations]}
 
-    def save_checkpoint(self, step: int, adapter: PackedTensors, optimizer: PackedTensors,
-                        rng: dict[str, torch.Tensor], state: dict) -> dict:
+    def save_checkpoint(
+        self, step: int, adapter: PackedTensors, optimizer: PackedTensors, rng: dict[str, torch.Tensor], state: dict
+    ) -> dict:
         """The full training state, committed atomically to every checkpoint store.
 
         The packed tensors are zero-copy views of Ray's shared memory, written to disk one tensor at a
@@ -68,15 +70,26 @@ class ConsolidatorActor:
         peak_rss_reset()
         start = time.perf_counter()
         adapter, optimizer = unpack(adapter), unpack(optimizer)
-        ts = checkpoint.TrainingState(step=step, adapter=adapter,
-                                      adapter_config=self.spec.peft_config(self.cfg.model.path),
-                                      optimizer=optimizer, rng_tensors=rng, state=state)
-        names = [checkpoint.save_checkpoint(store, ts, keep_last=self.cfg.checkpoint.keep_last)
-                 for store in self.checkpoints]
+        ts = checkpoint.TrainingState(
+            step=step,
+            adapter=adapter,
+            adapter_config=self.spec.peft_config(self.cfg.model.path),
+            optimizer=optimizer,
+            rng_tensors=rng,
+            state=state,
+        )
+        names = [
+            checkpoint.save_checkpoint(store, ts, keep_last=self.cfg.checkpoint.keep_last) for store in self.checkpoints
+        ]
         adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
         optimizer_bytes = sum(t.numel() * t.element_size() for t in optimizer.values())
-        return {"checkpoint_s": time.perf_counter() - start, "name": names[0], "peak_rss_bytes": peak_rss_bytes(),
-                "adapter_bytes": adapter_bytes, "optimizer_bytes": optimizer_bytes}
+        return {
+            "checkpoint_s": time.perf_counter() - start,
+            "name": names[0],
+            "peak_rss_bytes": peak_rss_bytes(),
+            "adapter_bytes": adapter_bytes,
+            "optimizer_bytes": optimizer_bytes,
+        }
 
     @ray.method(num_returns=2)
     def resume(self):
@@ -84,8 +97,10 @@ class ConsolidatorActor:
         ck = self.cfg.checkpoint
         ts, location = None, None
         if ck.resume_mode == "path":
-            ts, location = checkpoint.resolve_resume("path", self.checkpoints[0], ck.resume_path,
-                                                     ck.s3_endpoint_url), ck.resume_path
+            ts, location = (
+                checkpoint.resolve_resume("path", self.checkpoints[0], ck.resume_path, ck.s3_endpoint_url),
+                ck.resume_path,
+            )
         elif ck.resume_mode == "latest":
             for store in self.checkpoints:  # the shared directory first, then S3 (a replaced head node)
                 info = checkpoint.find_latest(store)

@@ -1,4 +1,4 @@
-"""EvaluatorActor: the fixed held-out mazes, played greedily (and, with eval.samples, sampled) through the rollout actors."""
+"""EvaluatorActor: the fixed held-out mazes, played greedily (and, with eval.samples, sampled) through the rollouts."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 import ray
 
 from app.config import Config
-from app.diagnosis import diagnosis_metrics
-from app.engines import Sampling
-from app.evaluation import eval_report, sampled_report, sampled_sampling
-from app.sampler import eval_mazes
+from app.observe.evaluation import eval_report, sampled_report, sampled_sampling
+from app.observe.report import after_eval
+from app.rollout.engines import Sampling
+from app.world.diagnosis import diagnosis_metrics
+from app.world.sampler import eval_mazes
 
 
 @ray.remote
@@ -36,8 +37,11 @@ class EvaluatorActor:
         report = eval_report(trajectories, self.cfg.rollout.max_turns)
         report.update(diagnosis_metrics(report, self.cfg.maze.size), step=step)
         if self.cfg.eval.samples:
-            refs = [actor.play.remote(share, self.cfg.eval.samples, sampled_sampling(self.cfg))[1]
-                    for actor, share in zip(self.rollouts, shares) if share]
+            refs = [
+                actor.play.remote(share, self.cfg.eval.samples, sampled_sampling(self.cfg))[1]
+                for actor, share in zip(self.rollouts, shares)
+                if share
+            ]
             sampled = [t for batch in ray.get(refs) for t in batch]
             report.update(sampled_report(sampled, self.cfg.eval.samples, self.cfg.rollout.temperature))
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +49,6 @@ class EvaluatorActor:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=1))
         tmp.replace(path)
-        from app.report import after_eval
 
         after_eval(self.out_dir.parent, step)  # eval/solve_rate.png + eval/replay_step_NNNNNN.gif; never raises
         return {k: v for k, v in report.items() if k != "mazes"}

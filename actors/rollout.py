@@ -7,13 +7,14 @@ import hashlib
 import ray
 import torch
 
-from app.adapters import PackedTensors, unpack
 from app.config import Config
-from app.engines import Sampling, make_engine
-from app.episodes import EpisodeRequest, episode_settings, play_episodes
-from app.maze import Maze
-from app.model import ensure_model
-from app.trajectory import Trajectory, summarize
+from app.model.adapters import PackedTensors, unpack
+from app.model.build import ensure_model
+from app.rollout.engines import Sampling, make_engine
+from app.rollout.episodes import EpisodeRequest, play_episodes
+from app.rollout.trajectory import Trajectory, summarize
+from app.world.maze import Maze
+from app.world.rules import EpisodeSettings
 
 
 @ray.remote
@@ -23,7 +24,7 @@ class RolloutActor:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model_dir = str(ensure_model(cfg.model, model_cache))
         self.engine = make_engine(cfg, self.model_dir, device, index)
-        self.settings = episode_settings(cfg)
+        self.settings = EpisodeSettings.from_config(cfg)
 
     def ready(self) -> dict:
         return {"index": self.index, "node": ray.get_runtime_context().get_node_id(), **self.engine.stats()}

@@ -8,10 +8,16 @@ from datetime import timedelta
 
 import ray
 import torch
+import torch.distributed as dist
 
-from app.adapters import pack, unpack
 from app.config import Config
-from app.model import ensure_model
+from app.learning.sft import WarmStartData
+from app.learning.training import PolicyTrainer
+from app.model.adapters import pack, unpack
+from app.model.build import ensure_model
+from app.storage.rng import capture_rng, restore_rng
+from app.world.maze import generate_maze
+from app.world.rules import EpisodeSettings
 
 
 @ray.remote
@@ -21,7 +27,7 @@ class TrainerActor:
         self.model_dir = str(ensure_model(cfg.model, model_cache))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.trainer = None
-        self.warm_start_data = None  # app.sft.WarmStartData, made at the first warm-start step
+        self.warm_start_data = None  # app.learning.sft.WarmStartData, made at the first warm-start step
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the process group."""
@@ -31,16 +37,23 @@ class TrainerActor:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, master_addr: str, master_port: int) -> dict:
-        import torch.distributed as dist
 
-        from app.training import PolicyTrainer
-
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world),
+            LOCAL_RANK="0",
+        )
         if self.world > 1:
             backend = "nccl" if self.device == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                    world_size=self.world, timeout=timedelta(minutes=30))
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world,
+                timeout=timedelta(minutes=30),
+            )
         self.trainer = PolicyTrainer(self.cfg, self.model_dir, self.rank, self.world, self.device)
         return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id(), "device": self.device}
 
@@ -57,15 +70,13 @@ class TrainerActor:
         return metrics, packed
 
     def sft_step(self, maze_seeds: list[int], lr: float) -> dict:
-        """One supervised warm-start step on these mazes (app.sft.WarmStartData: demonstrations, questions)."""
-        from app.episodes import episode_settings
-        from app.maze import generate_maze
-        from app.sft import WarmStartData
+        """One supervised warm-start step on these mazes (app.learning.sft.WarmStartData: demonstrations, questions)."""
 
         mazes = [generate_maze(s, self.cfg.maze.size) for s in maze_seeds]
         if self.warm_start_data is None:
-            self.warm_start_data = WarmStartData(self.trainer.codec, episode_settings(self.cfg), self.cfg.sft,
-                                                 seed=self.cfg.train.seed)
+            self.warm_start_data = WarmStartData(
+                self.trainer.codec, EpisodeSettings.from_config(self.cfg), self.cfg.sft, seed=self.cfg.train.seed
+            )
         metrics = self.trainer.sft_step(self.warm_start_data.batch(mazes), lr)
         self.trainer.release_cached_memory()
         return metrics
@@ -73,7 +84,6 @@ class TrainerActor:
     @ray.method(num_returns=4)
     def checkpoint_state(self):
         """(adapter, optimizer tensors, rng tensors, JSON) for a checkpoint; rank 0 returns them, others None."""
-        from app.checkpoint import capture_rng
 
         adapter = self.trainer.lora_tensors()
         optimizer, state = self.trainer.optimizer_state()
@@ -84,7 +94,6 @@ class TrainerActor:
 
     def load_state(self, saved) -> int:
         """Restores a checkpoint's TrainingState (None: keep the fresh state); returns its step."""
-        from app.checkpoint import restore_rng
 
         if saved is None:
             return 0
@@ -100,7 +109,6 @@ class TrainerActor:
         return pack(tensors) if self.rank == 0 else None
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -16,10 +16,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from app.config import Config, ConfigError, describe, load_config
-from app.driver import (Actors, absolute_paths, connect_ray, merge_rollout, prefixed, recoverable_errors,
-                        rollout_phase, sampling_phase, shutdown, spawn, sync_lora, timed)
-from app.sampler import MazeSampler, eval_mazes
+import ray
+
+from app.config import Config, ConfigError, absolute_paths, describe, load_config
+from app.driver.cluster import Actors, connect_ray, recoverable_errors, shutdown, spawn
+from app.driver.phases import merge_rollout, prefixed, rollout_phase, sampling_phase, sync_lora, timed
+from app.observe.metrics import MetricsSink
+from app.observe.report import build_report
+from app.world.sampler import MazeSampler, eval_mazes
 from placement import plan as placement
 
 log = logging.getLogger("mazerl")
@@ -30,8 +34,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
     ap.add_argument("overrides", nargs="*", help="dotted overrides such as train.lr=1e-5")
     ap.add_argument("--plan", action="store_true", help="print the validated config and placement, start nothing")
-    ap.add_argument("--cluster", help="with --plan: a cluster to place on instead of none, e.g. "
-                                      "'head:CPU=32,head=1;3x worker:GPU=2,CPU=32'")
+    ap.add_argument(
+        "--cluster",
+        help="with --plan: a cluster to place on instead of none, e.g. 'head:CPU=32,head=1;3x worker:GPU=2,CPU=32'",
+    )
     return ap.parse_args(argv)
 
 
@@ -45,13 +51,17 @@ class Run:
         self.history: list[dict] = []
 
     def json_state(self, trainer_state: dict) -> dict:
-        return {"trainer": trainer_state, "sampler": self.sampler.state_dict(), "recoveries": self.recoveries,
-                "metrics_history": self.history, "config": asdict(self.cfg)}
+        return {
+            "trainer": trainer_state,
+            "sampler": self.sampler.state_dict(),
+            "recoveries": self.recoveries,
+            "metrics_history": self.history,
+            "config": asdict(self.cfg),
+        }
 
 
 def restore(run: Run, actors: Actors) -> int:
     """Resume from a checkpoint, or start fresh (with the warm start); returns the step to continue after."""
-    import ray
 
     cfg = run.cfg
     summary_ref, saved_ref = actors.consolidator.resume.remote()
@@ -69,7 +79,9 @@ def restore(run: Run, actors: Actors) -> int:
     if not step and cfg.sft.steps and not cfg.model.adapter_init:
         for k in range(1, cfg.sft.steps + 1):
             seeds = [m.seed for m in run.sampler.next(cfg.sft.mazes_per_step)]
-            run.sink.record(0, {"sft_step": k, **ray.get([t.sft_step.remote(seeds, cfg.sft.lr) for t in actors.trainers])[0]})
+            run.sink.record(
+                0, {"sft_step": k, **ray.get([t.sft_step.remote(seeds, cfg.sft.lr) for t in actors.trainers])[0]}
+            )
     sync_lora(actors, [t.lora.remote() for t in actors.trainers][0], step)
     if cfg.eval.at_start and not step:
         run.sink.record(0, prefixed("eval", ray.get(actors.evaluator.evaluate.remote(0))))
@@ -78,29 +90,31 @@ def restore(run: Run, actors: Actors) -> int:
 
 def save(run: Run, actors: Actors, step: int, lora_ref) -> dict:
     """Exports the adapter and writes the full checkpoint when their intervals come due."""
-    import ray
 
     ck, out = run.cfg.checkpoint, {}
     if ck.hf_save_interval and step % ck.hf_save_interval == 0:
         out.update(ray.get(actors.consolidator.export_adapter.remote(step, lora_ref)))
     if ck.ckpt_interval and (step % ck.ckpt_interval == 0 or step == run.cfg.total_steps):
         adapter, optimizer, rng, trainer_state = zip(*[t.checkpoint_state.remote() for t in actors.trainers])
-        info = ray.get(actors.consolidator.save_checkpoint.remote(
-            step, adapter[0], optimizer[0], rng[0], run.json_state(ray.get(trainer_state[0]))))
+        info = ray.get(
+            actors.consolidator.save_checkpoint.remote(
+                step, adapter[0], optimizer[0], rng[0], run.json_state(ray.get(trainer_state[0]))
+            )
+        )
         run.last_checkpoint = step
         out.update({k: v for k, v in info.items() if k != "name"})
     return out
 
 
 def run_steps(run: Run, actors: Actors, start: int) -> None:
-    import ray
 
     cfg = run.cfg
     for step in range(start + 1, cfg.total_steps + 1):
         times: dict = {}
         with timed(times, "rollout"):
             summaries, trajectory_refs, sampling = sampling_phase(
-                lambda mazes, round_, step=step: rollout_phase(actors, mazes, cfg, step, round_), run.sampler, cfg.train)
+                lambda mazes, round_, step=step: rollout_phase(actors, mazes, cfg, step, round_), run.sampler, cfg.train
+            )
         ray.get([a.sleep.remote() for a in actors.rollouts])
         with timed(times, "train"):
             results = [t.step.remote(trajectory_refs, step) for t in actors.trainers]
@@ -114,7 +128,9 @@ def run_steps(run: Run, actors: Actors, start: int) -> None:
         with timed(times, "checkpoint"):
             metrics.update(save(run, actors, step, results[0][1]))
         times["time_step_s"] = sum(times.values())
-        metrics.update(times, lora_version=step, recoveries=run.recoveries, checkpoint_age_steps=step - run.last_checkpoint)
+        metrics.update(
+            times, lora_version=step, recoveries=run.recoveries, checkpoint_age_steps=step - run.last_checkpoint
+        )
         run.history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))} | {"step": step})
         run.sink.record(step, metrics)
 
@@ -122,21 +138,21 @@ def run_steps(run: Run, actors: Actors, start: int) -> None:
 def write_report(run_dir: Path) -> None:
     """The one-page HTML report with the curve and a replay; a failure here never fails the run."""
     try:
-        from app.report import build_report
-
         log.info("report: %s", build_report(run_dir))
     except Exception:
         log.warning("building the run report failed", exc_info=True)
 
 
 def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler) -> int:
-    from app.metrics import MetricsSink
 
     run_dir = Path(cfg.output_dir) / cfg.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(describe(cfg))
-    run = Run(cfg, sampler, MetricsSink(run_dir, cfg.run_name, cfg.total_steps, cfg.metrics.prometheus,
-                                        cfg.metrics.progress_bar))
+    run = Run(
+        cfg,
+        sampler,
+        MetricsSink(run_dir, cfg.run_name, cfg.total_steps, cfg.metrics.prometheus, cfg.metrics.progress_bar),
+    )
     try:
         while True:
             actors = None
@@ -150,8 +166,13 @@ def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler) -> int:
                 if run.recoveries > cfg.checkpoint.max_failures:
                     log.error("giving up after %d recoveries: %s", run.recoveries - 1, e)
                     raise
-                log.warning("lost an actor or node (%s: %s); recovery %d of %d from the latest checkpoint",
-                            type(e).__name__, str(e).splitlines()[0][:200], run.recoveries, cfg.checkpoint.max_failures)
+                log.warning(
+                    "lost an actor or node (%s: %s); recovery %d of %d from the latest checkpoint",
+                    type(e).__name__,
+                    str(e).splitlines()[0][:200],
+                    run.recoveries,
+                    cfg.checkpoint.max_failures,
+                )
                 run.sink.record(run.last_checkpoint, {"recoveries": run.recoveries, "recovery_at": time.time()})
             finally:
                 if actors is not None:
@@ -178,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  consolidator -> {head}")
             return 0
         eval_ids = {m.identity for m in eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)}
-        sampler = MazeSampler(cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, eval_ids,
-                              random_starts=cfg.train.random_starts)
+        sampler = MazeSampler(
+            cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, eval_ids, random_starts=cfg.train.random_starts
+        )
         ray = connect_ray(cfg)
         placement.check_cluster(plan, ray.cluster_resources())
     except ConfigError as e:

@@ -14,6 +14,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from app.config import Config, ConfigError
 
 HEAD_RESOURCE = "head"  # KubeRay's head pod advertises it (deploy/k8s); Ray's own marker is the fallback
@@ -65,25 +69,39 @@ def make_plan(cfg: Config) -> Plan:
         share = 1.0
         bundles = [dict(bundle) for _ in range(2 * n)]
     m = p.rollouts_per_bundle
-    return Plan(num_pairs=n, rollouts_per_bundle=m, colocated=p.colocate_all, bundles=bundles, strategy="PACK",
-                rollout_gpus=gpus * share / m, rollout_cpus=cpus * share / m, trainer_gpus=gpus * share,
-                trainer_cpus=cpus * share, evaluator_cpus=p.evaluator_cpus, consolidator_cpus=p.consolidator_cpus)
+    return Plan(
+        num_pairs=n,
+        rollouts_per_bundle=m,
+        colocated=p.colocate_all,
+        bundles=bundles,
+        strategy="PACK",
+        rollout_gpus=gpus * share / m,
+        rollout_cpus=cpus * share / m,
+        trainer_gpus=gpus * share,
+        trainer_cpus=cpus * share,
+        evaluator_cpus=p.evaluator_cpus,
+        consolidator_cpus=p.consolidator_cpus,
+    )
 
 
 def check_cluster(plan: Plan, resources: dict) -> None:
     """Fails before any actor starts when the cluster can never hold the plan."""
     have_gpu, have_cpu = resources.get("GPU", 0), resources.get("CPU", 0)
     if plan.total_gpus > have_gpu:
-        raise ConfigError("placement.gpus_per_bundle", f"the plan needs {plan.total_gpus:g} GPUs, the cluster has {have_gpu:g}",
-                          "lower placement.num_bundles, or set gpus_per_bundle=0 on a CPU machine")
+        raise ConfigError(
+            "placement.gpus_per_bundle",
+            f"the plan needs {plan.total_gpus:g} GPUs, the cluster has {have_gpu:g}",
+            "lower placement.num_bundles, or set gpus_per_bundle=0 on a CPU machine",
+        )
     if plan.total_cpus > have_cpu:
-        raise ConfigError("placement.cpus_per_bundle", f"the plan needs {plan.total_cpus:g} CPUs, the cluster has {have_cpu:g}",
-                          "lower placement.cpus_per_bundle or placement.num_bundles")
+        raise ConfigError(
+            "placement.cpus_per_bundle",
+            f"the plan needs {plan.total_cpus:g} CPUs, the cluster has {have_cpu:g}",
+            "lower placement.cpus_per_bundle or placement.num_bundles",
+        )
 
 
 def create_placement_group(plan: Plan, timeout_s: float, name: str = ""):
-    import ray
-    from ray.util.placement_group import placement_group
 
     pg = placement_group(plan.bundles, strategy=plan.strategy, name=name)
     start = time.monotonic()
@@ -96,15 +114,19 @@ def create_placement_group(plan: Plan, timeout_s: float, name: str = ""):
             return pg
         remaining = timeout_s - (time.monotonic() - start)
     ray.util.remove_placement_group(pg)
-    raise TimeoutError(f"the placement group {plan.bundles} was not ready after {timeout_s:.0f} s; "
-                       "the cluster lacks the resources (see placement.wait_for_resources_s)")
+    raise TimeoutError(
+        f"the placement group {plan.bundles} was not ready after {timeout_s:.0f} s; "
+        "the cluster lacks the resources (see placement.wait_for_resources_s)"
+    )
 
 
 def in_bundle(pg, index: int) -> dict:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=True)}
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=True
+        )
+    }
 
 
 def rollout_options(plan: Plan, pg, i: int) -> dict:
@@ -139,7 +161,11 @@ def parse_cluster(spec: str) -> list[tuple[str, dict]]:
             try:
                 res[key.strip()] = float(value)
             except ValueError:
-                raise ConfigError("--cluster", f"{item!r} is not RESOURCE=NUMBER", "write e.g. 'head:CPU=32,head=1;3x worker:GPU=2,CPU=32'") from None
+                raise ConfigError(
+                    "--cluster",
+                    f"{item!r} is not RESOURCE=NUMBER",
+                    "write e.g. 'head:CPU=32,head=1;3x worker:GPU=2,CPU=32'",
+                ) from None
         for i in range(int(count or 1)):
             nodes.append((f"{name}-{i}" if int(count or 1) > 1 else name, res))
     if not nodes:
@@ -157,8 +183,11 @@ def simulate(plan: Plan, nodes: list[tuple[str, dict]]) -> list[str]:
     for b in plan.bundles:
         target = next((i for i, f in enumerate(free) if all(f.get(k, 0) >= v for k, v in b.items())), None)
         if target is None:
-            raise ConfigError("placement", f"bundle {b} fits on no node of the described cluster",
-                              "lower placement.cpus_per_bundle / gpus_per_bundle or describe more nodes")
+            raise ConfigError(
+                "placement",
+                f"bundle {b} fits on no node of the described cluster",
+                "lower placement.cpus_per_bundle / gpus_per_bundle or describe more nodes",
+            )
         for k, v in b.items():
             free[target][k] -= v
         placed.append(nodes[target][0])
@@ -168,8 +197,11 @@ def simulate(plan: Plan, nodes: list[tuple[str, dict]]) -> list[str]:
 def describe(plan: Plan, cluster_resources: dict | None = None) -> str:
     lines = [f"placement group: {len(plan.bundles)} bundles, strategy {plan.strategy}"]
     for i, b in enumerate(plan.bundles):
-        who = [f"rollout-{j} (GPU {plan.rollout_gpus:g}, CPU {plan.rollout_cpus:g})"
-               for j in range(plan.num_rollouts) if plan.rollout_bundle(j) == i]
+        who = [
+            f"rollout-{j} (GPU {plan.rollout_gpus:g}, CPU {plan.rollout_cpus:g})"
+            for j in range(plan.num_rollouts)
+            if plan.rollout_bundle(j) == i
+        ]
         for r in range(plan.num_pairs):
             if plan.trainer_bundle(r) == i:
                 who.append(f"trainer-{r} (GPU {plan.trainer_gpus:g}, CPU {plan.trainer_cpus:g})")

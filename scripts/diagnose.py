@@ -5,8 +5,8 @@
 
 The first form plays the config's held-out mazes greedily with the transformers engine (MODEL_DIR: a full
 model folder such as an SFT --full checkpoint; --adapter: a PEFT adapter on it); the second reads the actions
-an evaluator already wrote. Both print the classes of `app.diagnosis` as one JSON line. --questions also asks
-the open-move question (`app.dialogue.OPEN_MOVES_QUESTION`) on one random open cell of each held-out maze and
+an evaluator already wrote. Both print the classes of `app.world.diagnosis` as one JSON line. --questions also asks
+the open-move question (`app.world.dialogue.OPEN_MOVES_QUESTION`) on one random open cell of each held-out maze and
 scores the greedy answers: exact, and per neighbour (is each of the four moves said iff it is open?).
 """
 
@@ -27,10 +27,11 @@ from app.config import ConfigError, load_config  # noqa: E402
 
 def open_move_answers(engine, codec, mazes, cell_px: int, seed: int) -> dict:
     """Greedy answers to the open-move question, one random open cell per maze, against the truth."""
-    from app import dialogue
-    from app.encoding import as_image
-    from app.engines.base import Prompt, Sampling
-    from app.maze import DIRECTION_OFFSETS, Action, render
+    from app.rollout.encoding import as_image
+    from app.rollout.engines.base import Prompt, Sampling
+    from app.world import dialogue
+    from app.world.maze import DIRECTION_OFFSETS, Action
+    from app.world.render import render
 
     rng = np.random.default_rng(seed)
     cases = []
@@ -48,8 +49,11 @@ def open_move_answers(engine, codec, mazes, cell_px: int, seed: int) -> dict:
         truth = dialogue.open_moves_reply(maze, cell)
         exact += reply.strip() == truth
         neighbours += sum((move in reply) == (move in truth) for move in moves)
-    return {"questions": len(cases), "open_moves_exact": exact / len(cases),
-            "open_moves_per_neighbour": neighbours / (4 * len(cases))}
+    return {
+        "questions": len(cases),
+        "open_moves_exact": exact / len(cases),
+        "open_moves_per_neighbour": neighbours / (4 * len(cases)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    from app.diagnosis import diagnose_report
+    from app.world.diagnosis import diagnose_report
 
     if args.eval_json:
         try:
@@ -84,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"source": args.eval_json, **found}))
         return 0
 
-    from app.adapters import read_peft_folder
-    from app.engines.hf import HFEngine
-    from app.evaluation import play_held_out
-    from app.sampler import eval_mazes
+    from app.model.adapters import read_peft_folder
+    from app.observe.evaluation import play_held_out
+    from app.rollout.engines.hf import HFEngine
+    from app.world.sampler import eval_mazes
 
     engine = HFEngine(args.model_dir, cfg.lora, dtype=cfg.model.dtype, device=args.device)
     if args.adapter:

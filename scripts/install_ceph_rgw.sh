@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages of a single-node Ceph cluster with the RADOS gateway: the one real
-# S3 server Debian ships (no MinIO/Garage/SeaweedFS there; ../shared/notes/STACK.md). The `s3`-marked
+# S3 server Debian ships (no MinIO/Garage/SeaweedFS there). The `s3`-marked
 # tests start it through tests/s3_server.py. Safe to run again: returns at once when already installed.
 set -euo pipefail
 

@@ -1,7 +1,7 @@
 """Builds a Qwen3-VL-architecture model folder (HF format) from a config, with no hub access.
 
-    python scripts/make_model.py OUT                      the tiny model of configs/tiny.yaml (CPU)
-    python scripts/make_model.py OUT --shape 8b           Qwen3-VL-8B's shape, random bf16 weights (GPU)
+python scripts/make_model.py OUT                      the tiny model of configs/tiny.yaml (CPU)
+python scripts/make_model.py OUT --shape 8b           Qwen3-VL-8B's shape, random bf16 weights (GPU)
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import time
 
 from app.config import TinyModelShape
-from app.model import build_8b_shaped_model, build_tiny_model
+from app.model.build import build_8b_shaped_model, build_tiny_model
 
 
 def main() -> None:

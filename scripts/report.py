@@ -16,7 +16,7 @@ from pathlib import Path
 # Run as a plain script from anywhere: make the repository root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.report import build_report  # noqa: E402
+from app.observe.report import build_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

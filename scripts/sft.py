@@ -11,7 +11,7 @@ steps and OUT_DIR/final/, each a PEFT folder (adapter_model.safetensors + adapte
 can be stopped at the solve rate wanted (the learning run stops at <= 50%). One process, no Ray.
 
 With --full every weight trains (vision tower included: a model built here from random weights has to learn
-to see), and each save is a model folder with the LoRA merged in, for `model.path` (app.sft.export_full_model);
+to see), and each save is a model folder with the LoRA merged in, for `model.path` (app.learning.sft.export_full_model);
 its held-out solve rate is measured on that folder as written. OUT/sft_log.jsonl has one line per step.
 """
 
@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.adapters import write_peft_folder  # noqa: E402
 from app.config import ConfigError, load_config  # noqa: E402
+from app.model.adapters import write_peft_folder  # noqa: E402
 
 
 def summary(report: dict) -> dict:
@@ -41,17 +41,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("out")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for app.main")
-    ap.add_argument("--eval-every", type=int, default=0, help="held-out greedy solve rate every K steps (0: at the end only)")
+    ap.add_argument(
+        "--eval-every", type=int, default=0, help="held-out greedy solve rate every K steps (0: at the end only)"
+    )
     ap.add_argument("--save-every", type=int, default=0, help="also write OUT/step_K every K steps")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--full", action="store_true", help="train every weight; save model folders, not adapters")
     ap.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup over this many steps")
     ap.add_argument("--max-minutes", type=float, default=0, help="stop (after a final eval and save) past this time")
     ap.add_argument("--stop-above", type=float, default=0, help="stop once the held-out solve rate exceeds this")
-    ap.add_argument("--fine-eval", nargs=2, type=float, metavar=("RATE", "K"), default=None,
-                    help="once an evaluation reads at least RATE, evaluate every K steps instead of --eval-every: "
-                         "SFT can cross 35%% -> 77%% in 10 steps (docs/RESULTS.md), so a start just under a bound "
-                         "needs dense readings near it and none before")
+    ap.add_argument(
+        "--fine-eval",
+        nargs=2,
+        type=float,
+        metavar=("RATE", "K"),
+        default=None,
+        help="once an evaluation reads at least RATE, evaluate every K steps instead of --eval-every: "
+        "SFT can cross 35%% -> 77%% in 10 steps (docs/RESULTS.md), so a start just under a bound "
+        "needs dense readings near it and none before",
+    )
     ap.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="--full: saved weights")
     args = ap.parse_args(argv)
     try:
@@ -61,14 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    from app.episodes import episode_settings
-    from app.driver import model_cache
-    from app.engines.hf import HFEngine
-    from app.evaluation import play_held_out
-    from app.model import ensure_model
-    from app.sampler import MazeSampler, eval_mazes
-    from app.sft import WarmStartData, export_full_model
-    from app.training import PolicyTrainer
+    from app.driver.cluster import model_cache
+    from app.learning.sft import WarmStartData, export_full_model
+    from app.learning.training import PolicyTrainer
+    from app.model.build import ensure_model
+    from app.observe.evaluation import play_held_out
+    from app.rollout.engines.hf import HFEngine
+    from app.world.rules import EpisodeSettings
+    from app.world.sampler import MazeSampler, eval_mazes
 
     eval_ids = {m.identity for m in eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)}
     try:
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_float32_matmul_precision("high")  # TF32 on a GPU: float32 weights, tensor-core matmuls
     model_dir = str(ensure_model(cfg.model, model_cache(cfg)))
     trainer = PolicyTrainer(cfg, model_dir, device=args.device, train_base=args.full)
-    settings = episode_settings(cfg)
+    settings = EpisodeSettings.from_config(cfg)
     engine = None if args.full else HFEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, device=args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def evaluate(folder: Path | None) -> dict:
         if args.full:  # the folder as written is what a GRPO run would start from
-            return summary(play_held_out(cfg, HFEngine(str(folder), cfg.lora, dtype=cfg.model.dtype,
-                                                       device=args.device)))
+            return summary(
+                play_held_out(cfg, HFEngine(str(folder), cfg.lora, dtype=cfg.model.dtype, device=args.device))
+            )
         engine.load_lora(trainer.lora_tensors(), engine.lora_version + 1)
         return summary(play_held_out(cfg, engine))
 

@@ -3,7 +3,7 @@
 # work: the same code as the tests' `ceph_s3` fixture (tests/s3_server.py). Data lives in RAM (memstore).
 #
 #   eval "$(scripts/start_ceph_rgw.sh start /tmp/ceph)"    # exports AWS_ENDPOINT_URL and test keys
-#   aws s3 mb s3://demo --endpoint-url "$AWS_ENDPOINT_URL"  # (or boto3, or app.storage.S3Store(..., endpoint_url=...))
+#   aws s3 mb s3://demo --endpoint-url "$AWS_ENDPOINT_URL"  # (or boto3, or app.storage.store.S3Store(..., endpoint_url=...))
 #   scripts/start_ceph_rgw.sh stop /tmp/ceph
 #
 # Installs the packages first if they are missing (scripts/install_ceph_rgw.sh).

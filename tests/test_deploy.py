@@ -125,8 +125,12 @@ def strict(schema):
     if not isinstance(schema, dict):
         return schema
     out = {k: strict(v) for k, v in schema.items()}
-    if (out.get("type") == "object" and "properties" in out and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        out.get("type") == "object"
+        and "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -163,7 +167,10 @@ def schema_errors(validators, obj: dict) -> list[str]:
 
 def test_vendored_schemas_are_small_and_say_where_they_come_from():
     files = sorted(SCHEMAS.glob("*.json"))
-    assert [f.name for f in files] == [f"ray.io_rayclusters.{KUBERAY_VERSION}.json", f"ray.io_rayjobs.{KUBERAY_VERSION}.json"]
+    assert [f.name for f in files] == [
+        f"ray.io_rayclusters.{KUBERAY_VERSION}.json",
+        f"ray.io_rayjobs.{KUBERAY_VERSION}.json",
+    ]
     assert sum(f.stat().st_size for f in files) < 1_000_000
     for f in files:
         comment = json.loads(f.read_text())["$comment"]
@@ -186,24 +193,51 @@ def _head_container(obj):
 
 NEGATIVE_CASES = {
     "replicas as a string": ("RayCluster", lambda c: _worker(c).__setitem__("replicas", "3")),
-    "rayStartParams value not a string": ("RayCluster", lambda c: _worker(c)["rayStartParams"].__setitem__("num-cpus", 32)),
+    "rayStartParams value not a string": (
+        "RayCluster",
+        lambda c: _worker(c)["rayStartParams"].__setitem__("num-cpus", 32),
+    ),
     "unknown field (typo)": ("RayCluster", lambda c: c["spec"]["headGroupSpec"].__setitem__("rayStartParam", {})),
-    "containers as a mapping": ("RayCluster", lambda c: c["spec"]["headGroupSpec"]["template"]["spec"].__setitem__(
-        "containers", {"name": "ray-head"})),
-    "authOptions.mode outside its enum": ("RayCluster", lambda c: c["spec"]["authOptions"].__setitem__("mode", "oauth")),
-    "GPU quantity not a quantity": ("RayCluster", lambda c: _worker(c)["template"]["spec"]["containers"][0]["resources"]
-                                    ["limits"].__setitem__("nvidia.com/gpu", "two")),
+    "containers as a mapping": (
+        "RayCluster",
+        lambda c: c["spec"]["headGroupSpec"]["template"]["spec"].__setitem__("containers", {"name": "ray-head"}),
+    ),
+    "authOptions.mode outside its enum": (
+        "RayCluster",
+        lambda c: c["spec"]["authOptions"].__setitem__("mode", "oauth"),
+    ),
+    "GPU quantity not a quantity": (
+        "RayCluster",
+        lambda c: _worker(c)["template"]["spec"]["containers"][0]["resources"]["limits"].__setitem__(
+            "nvidia.com/gpu", "two"
+        ),
+    ),
     "replicas beyond int32": ("RayCluster", lambda c: _worker(c).__setitem__("replicas", 2**31)),
     "worker group without groupName": ("RayCluster", lambda c: _worker(c).pop("groupName")),
     "RayJob backoffLimit as a string": ("RayJob", lambda j: j["spec"].__setitem__("backoffLimit", "3")),
-    "RayJob shutdownAfterJobFinishes not a bool": ("RayJob", lambda j: j["spec"].__setitem__("shutdownAfterJobFinishes", "yes")),
-    "RayJob entrypoint as a list": ("RayJob", lambda j: j["spec"].__setitem__("entrypoint", ["python", "-m", "app.main"])),
-    "RayJob preRunningDeadlineSeconds below its minimum": ("RayJob", lambda j: j["spec"].__setitem__(
-        "preRunningDeadlineSeconds", 0)),
-    "RayJob deletion rule policy outside its enum": ("RayJob", lambda j: j["spec"].__setitem__("deletionStrategy", {
-        "deletionRules": [{"policy": "DeleteEverything", "condition": {"jobStatus": "FAILED"}}]})),
-    "RayJob inline cluster with a wrong type": ("RayJob", lambda j: j["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
-                                                .__setitem__("minReplicas", "3")),
+    "RayJob shutdownAfterJobFinishes not a bool": (
+        "RayJob",
+        lambda j: j["spec"].__setitem__("shutdownAfterJobFinishes", "yes"),
+    ),
+    "RayJob entrypoint as a list": (
+        "RayJob",
+        lambda j: j["spec"].__setitem__("entrypoint", ["python", "-m", "app.main"]),
+    ),
+    "RayJob preRunningDeadlineSeconds below its minimum": (
+        "RayJob",
+        lambda j: j["spec"].__setitem__("preRunningDeadlineSeconds", 0),
+    ),
+    "RayJob deletion rule policy outside its enum": (
+        "RayJob",
+        lambda j: j["spec"].__setitem__(
+            "deletionStrategy",
+            {"deletionRules": [{"policy": "DeleteEverything", "condition": {"jobStatus": "FAILED"}}]},
+        ),
+    ),
+    "RayJob inline cluster with a wrong type": (
+        "RayJob",
+        lambda j: j["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].__setitem__("minReplicas", "3"),
+    ),
 }
 
 
@@ -220,7 +254,9 @@ def test_a_wrong_manifest_fails_validation(validators, cluster, rayjob, case):
 
 def ray_containers(spec: dict) -> list[tuple[str, dict, dict]]:
     """(group, pod spec, Ray container) for the head and every worker group."""
-    out = [("head", spec["headGroupSpec"]["template"]["spec"], spec["headGroupSpec"]["template"]["spec"]["containers"][0])]
+    out = [
+        ("head", spec["headGroupSpec"]["template"]["spec"], spec["headGroupSpec"]["template"]["spec"]["containers"][0])
+    ]
     for g in spec["workerGroupSpecs"]:
         out.append((g["groupName"], g["template"]["spec"], g["template"]["spec"]["containers"][0]))
     return out
@@ -238,8 +274,8 @@ def kuberay_resources(params: dict) -> dict:
 
 
 def test_head_has_the_head_resource_cpus_memory_dashboard_and_metrics(cluster, hyperpod):
-    from placement.plan import HEAD_RESOURCE, consolidator_options, make_plan
     from app.config import Config, PlacementConfig
+    from placement.plan import HEAD_RESOURCE, consolidator_options, make_plan
 
     head = cluster["spec"]["headGroupSpec"]
     params = head["rayStartParams"]
@@ -289,14 +325,21 @@ def test_every_ray_pod_mounts_the_rwx_volume_at_shared_and_a_memory_dev_shm(clus
         assert volumes[mounts["/shared"]]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"], group
         shm = volumes[mounts["/dev/shm"]]["emptyDir"]
         assert shm["medium"] == "Memory", group
-        params = cluster["spec"]["headGroupSpec"]["rayStartParams"] if group == "head" else next(
-            g["rayStartParams"] for g in cluster["spec"]["workerGroupSpecs"] if g["groupName"] == group)
+        params = (
+            cluster["spec"]["headGroupSpec"]["rayStartParams"]
+            if group == "head"
+            else next(g["rayStartParams"] for g in cluster["spec"]["workerGroupSpecs"] if g["groupName"] == group)
+        )
         # Ray falls back to a slow disk object store when /dev/shm is smaller than the store
         assert quantity_bytes(shm["sizeLimit"]) > int(params["object-store-memory"]), group
         assert quantity_bytes(shm["sizeLimit"]) < quantity_bytes(container["resources"]["limits"]["memory"]), group
     # the config's paths live on that volume
-    for path in (hyperpod["output_dir"], hyperpod["model"]["path"], hyperpod["model"]["adapter_init"],
-                 hyperpod["checkpoint"]["export_dir"]):
+    for path in (
+        hyperpod["output_dir"],
+        hyperpod["model"]["path"],
+        hyperpod["model"]["adapter_init"],
+        hyperpod["checkpoint"]["export_dir"],
+    ):
         assert path.startswith("/shared/"), path
 
 
@@ -352,7 +395,9 @@ def test_rayjob_runs_app_main_on_the_same_cluster_and_retries_into_a_resume(rayj
 
 
 def test_image_references_agree_everywhere(cluster, rayjob, setup_cfg):
-    images = {c["image"] for _, _, c in ray_containers(cluster["spec"]) + ray_containers(rayjob["spec"]["rayClusterSpec"])}
+    images = {
+        c["image"] for _, _, c in ray_containers(cluster["spec"]) + ray_containers(rayjob["spec"]["rayClusterSpec"])
+    }
     assert len(images) == 1, images
     image = images.pop()
     repo, _, tag = image.rpartition(":")
@@ -389,15 +434,21 @@ def plan_on(cluster_arg: str, capsys) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("which", ["the issue's cluster", "the manifest's cluster"])
 def test_hyperpod_plan_places_two_bundles_per_gpu_pod_and_the_consolidator_on_the_head(cluster, capsys, which):
-    arg = ("head:CPU=32,head=1;3x worker:GPU=2,CPU=32" if which == "the issue's cluster"
-           else cluster_description(cluster["spec"]))
+    arg = (
+        "head:CPU=32,head=1;3x worker:GPU=2,CPU=32"
+        if which == "the issue's cluster"
+        else cluster_description(cluster["spec"])
+    )
     worker = "worker" if which == "the issue's cluster" else "gpu"
     code, out, err = plan_on(arg, capsys)
     assert code == 0, err
     assert "placement group: 6 bundles, strategy PACK" in out
     for i in range(6):
-        assert re.search(rf"(?m)^  bundle {i}: \{{'CPU': 8\.0, 'GPU': 1\}} -> rollout-{i} \(GPU 0\.5, CPU 4\), "
-                         rf"trainer-{i} \(GPU 0\.5, CPU 4\)$", out), out
+        assert re.search(
+            rf"(?m)^  bundle {i}: \{{'CPU': 8\.0, 'GPU': 1\}} -> rollout-{i} \(GPU 0\.5, CPU 4\), "
+            rf"trainer-{i} \(GPU 0\.5, CPU 4\)$",
+            out,
+        ), out
     assert "consolidator: CPU 0.1, pinned to the head node (resource 'head')" in out
     assert "total: 6 GPUs, 48.2 CPUs" in out
     assert "on the described cluster (4 nodes, PACK):" in out
@@ -422,7 +473,7 @@ def test_hyperpod_plan_fails_on_a_cluster_that_cannot_hold_it(cluster, capsys):
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
     text = (DEPLOY / "Dockerfile").read_text()
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")))
+    text = re.sub(r"\\\n", " ", "\n".join(x for x in text.splitlines() if not x.lstrip().startswith("#")))
     return [(m.group(1).upper(), m.group(2)) for m in re.finditer(r"(?m)^\s*([A-Za-z]+)\s+(.*)$", text)]
 
 
@@ -432,7 +483,9 @@ def test_dockerfile_base_image_is_pinned_cuda_runtime_matching_torch(lock):
     froms = [a for k, a in ins if k == "FROM"]
     assert froms == ["${CUDA_IMAGE}"]
     base = args["CUDA_IMAGE"]
-    m = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.(\d+)-(?:cudnn-)?runtime-ubuntu(\d+\.\d+)(@sha256:[0-9a-f]{64})?", base)
+    m = re.fullmatch(
+        r"nvidia/cuda:(\d+)\.(\d+)\.(\d+)-(?:cudnn-)?runtime-ubuntu(\d+\.\d+)(@sha256:[0-9a-f]{64})?", base
+    )
     assert m, f"base image {base!r} is not a fully versioned nvidia/cuda runtime tag"
     assert "latest" not in (DEPLOY / "Dockerfile").read_text().lower().replace("the latest", "")
     # torch 2.11.0 on PyPI is built for CUDA 13.0: the base image must be the same major.minor
@@ -466,8 +519,10 @@ def test_dockerfile_installs_the_lock_then_mazerl_without_deps_into_the_venv_as_
 
 
 def test_lock_pins_equal_setup_cfg_and_the_gpu_wheels(lock, setup_cfg):
-    for extra_or_base, reqs in (("gpu", setup_requirements(setup_cfg, "options.extras_require", "gpu")),
-                                ("install_requires", setup_requirements(setup_cfg, "options", "install_requires"))):
+    for extra_or_base, reqs in (
+        ("gpu", setup_requirements(setup_cfg, "options.extras_require", "gpu")),
+        ("install_requires", setup_requirements(setup_cfg, "options", "install_requires")),
+    ):
         for name, spec in reqs.items():
             assert name in lock, f"{name} ({extra_or_base}) is missing from the lock"
             version = lock[name][0]
@@ -485,8 +540,9 @@ def test_lock_pins_equal_setup_cfg_and_the_gpu_wheels(lock, setup_cfg):
 def test_the_wheels_copy_equals_the_shared_original():
     if not SHARED_WHEELS.is_file():
         pytest.skip(f"{SHARED_WHEELS} is not here (a fresh clone); deploy/gpu-wheels.txt is checked on its own")
-    assert requirement_lines(WHEELS.read_text()) == requirement_lines(SHARED_WHEELS.read_text()), \
+    assert requirement_lines(WHEELS.read_text()) == requirement_lines(SHARED_WHEELS.read_text()), (
         "refresh deploy/gpu-wheels.txt from ../shared/gpu/wheels.txt"
+    )
 
 
 # ---------------------------------------------------------------- scripts/train_job.sh
@@ -502,8 +558,15 @@ class FakeJobAPI(BaseHTTPRequestHandler):
         if self.path == "/api/version":
             self.reply(200, {"version": "4", "ray_version": "2.60.0", "ray_commit": "fake", "session_name": "fake"})
         elif self.path.startswith("/api/jobs/") and job in self.STATUSES:
-            self.reply(200, {"type": "SUBMISSION", "submission_id": job, "status": self.STATUSES[job],
-                             "entrypoint": "python -m app.main configs/tiny.yaml"})
+            self.reply(
+                200,
+                {
+                    "type": "SUBMISSION",
+                    "submission_id": job,
+                    "status": self.STATUSES[job],
+                    "entrypoint": "python -m app.main configs/tiny.yaml",
+                },
+            )
         else:
             self.reply(404, f"Job {job} does not exist")
 
@@ -532,10 +595,24 @@ JOB_STATES = {"absent": None, "running": "RUNNING", "succeeded": "SUCCEEDED", "f
 def run_scripts(*invocations: tuple[tuple[str, ...], dict], timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Runs several (args, extra env) train_job.sh invocations at once; each is two or three short Pythons."""
     base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
-    base.update(PYTHON=sys.executable, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1",
-                NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")  # the fake job API is local
-    procs = [subprocess.Popen(["bash", str(SCRIPT), *args], cwd=ROOT, env={**base, **env}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args, env in invocations]
+    base.update(
+        PYTHON=sys.executable,
+        RAY_AUTH_MODE="disabled",
+        OMP_NUM_THREADS="1",
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+    )  # the fake job API is local
+    procs = [
+        subprocess.Popen(
+            ["bash", str(SCRIPT), *args],
+            cwd=ROOT,
+            env={**base, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, env in invocations
+    ]
     results = []
     for (args, _), proc in zip(invocations, procs):
         out, err = proc.communicate(timeout=timeout)
@@ -567,14 +644,24 @@ def script_runs(tmp_path_factory) -> dict:
             (("configs/hyperpod.yaml", "--dry-run"), {}),
             ((*tiny, f"output_dir={prep_out}", "--prepare-only"), {}),
             ((str(ROOT.parent / "elsewhere.yaml"),), {}),
-            ((*tiny, f"output_dir={job_out}", "run_name=job-x", "--address", unreachable),
-             {"RAY_CLI": str(fake_ray), "FAKE_RAY_LOG": str(tmp / "unreachable.log")}),
-            *(((*tiny, f"output_dir={job_out}", f"run_name=job-{state}", "--address", address),
-               {"RAY_CLI": str(fake_ray), "FAKE_RAY_LOG": str(tmp / f"job-{state}.log")}) for state in JOB_STATES))
+            (
+                (*tiny, f"output_dir={job_out}", "run_name=job-x", "--address", unreachable),
+                {"RAY_CLI": str(fake_ray), "FAKE_RAY_LOG": str(tmp / "unreachable.log")},
+            ),
+            *(
+                (
+                    (*tiny, f"output_dir={job_out}", f"run_name=job-{state}", "--address", address),
+                    {"RAY_CLI": str(fake_ray), "FAKE_RAY_LOG": str(tmp / f"job-{state}.log")},
+                )
+                for state in JOB_STATES
+            ),
+        )
         eval_set = prep_out / "tiny" / "eval_set.json"
         first_content = eval_set.read_bytes() if eval_set.is_file() else None
-        second, changed = run_scripts(((*tiny, f"output_dir={prep_out}", "--prepare-only"), {}),
-                                      ((*tiny, f"output_dir={prep_out}", "eval.num_mazes=4", "--prepare-only"), {}))
+        second, changed = run_scripts(
+            ((*tiny, f"output_dir={prep_out}", "--prepare-only"), {}),
+            ((*tiny, f"output_dir={prep_out}", "eval.num_mazes=4", "--prepare-only"), {}),
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -583,8 +670,16 @@ def script_runs(tmp_path_factory) -> dict:
         log = tmp / f"{name}.log"
         return [shlex.split(line) for line in log.read_text().splitlines()] if log.is_file() else []
 
-    return {**dict(zip(names, runs)), "dry_out": dry_out, "prep_out": prep_out, "job_out": job_out,
-            "first_content": first_content, "second": second, "changed": changed, "ray_calls": ray_calls}
+    return {
+        **dict(zip(names, runs)),
+        "dry_out": dry_out,
+        "prep_out": prep_out,
+        "job_out": job_out,
+        "first_content": first_content,
+        "second": second,
+        "changed": changed,
+        "ray_calls": ray_calls,
+    }
 
 
 def submit_argv(stdout: str) -> list[str]:
@@ -601,7 +696,9 @@ def test_dry_run_prints_the_submission_and_creates_nothing(script_runs):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "placement group:" in r.stdout
     where = ROOT / out
-    assert f"would write {where}/tiny/eval_set.json" in r.stderr and f"would create {where}/tiny/checkpoints" in r.stderr
+    assert (
+        f"would write {where}/tiny/eval_set.json" in r.stderr and f"would create {where}/tiny/checkpoints" in r.stderr
+    )
     # a relative output_dir means one folder here and another in the job's working_dir: the script says so
     assert f"WARNING: output_dir={out} is relative" in r.stderr
     argv = submit_argv(r.stdout)
@@ -609,16 +706,16 @@ def test_dry_run_prints_the_submission_and_creates_nothing(script_runs):
     assert argv[argv.index("--submission-id") + 1] == "mazerl-tiny"
     assert argv[argv.index("--working-dir") + 1] == "."
     assert argv[argv.index("--address") + 1] == "http://127.0.0.1:8265"
-    assert argv[argv.index("--") + 1:] == ["python", "-m", "app.main", "configs/tiny.yaml", f"output_dir={out}"]
+    assert argv[argv.index("--") + 1 :] == ["python", "-m", "app.main", "configs/tiny.yaml", f"output_dir={out}"]
     assert not where.exists(), "--dry-run must not create anything"
 
 
 def driver_env_keys(monkeypatch) -> set[str]:
-    """The env_vars keys that app.driver.connect_ray puts in its own ray.init runtime_env."""
+    """The env_vars keys that app.driver.cluster.connect_ray puts in its own ray.init runtime_env."""
     import ray
 
     from app.config import Config, PlacementConfig
-    from app.driver import connect_ray
+    from app.driver.cluster import connect_ray
 
     seen = {}
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -664,7 +761,7 @@ def test_a_config_outside_the_repository_is_refused(tmp_path):
 
 def test_prepare_only_creates_the_run_and_eval_set_once(script_runs):
     from app.config import load_config
-    from app.sampler import eval_mazes
+    from app.world.sampler import eval_mazes
 
     out, first = script_runs["prep_out"], script_runs["first"]
     assert first.returncode == 0, first.stdout + first.stderr
@@ -704,8 +801,14 @@ def test_running_again_acts_on_the_state_of_the_earlier_job(script_runs):
     assert verbs("absent") == [["job", "submit"], ["job", "logs"]]
     submit, follow = calls("job-absent")
     assert submit[submit.index("--submission-id") + 1] == job("absent") and "--no-wait" in submit
-    assert submit[submit.index("--") + 1:] == ["python", "-m", "app.main", "configs/tiny.yaml",
-                                               f"output_dir={out}", "run_name=job-absent"]
+    assert submit[submit.index("--") + 1 :] == [
+        "python",
+        "-m",
+        "app.main",
+        "configs/tiny.yaml",
+        f"output_dir={out}",
+        "run_name=job-absent",
+    ]
     assert follow[-2:] == ["--follow", job("absent")]
 
     assert verbs("running") == [["job", "logs"]] and calls("job-running")[0][-2:] == ["--follow", job("running")]
@@ -735,10 +838,12 @@ def doc_problems(text: str) -> list[str]:
     train_job.sh options, exported metric names."""
     from app.config import field_docs
     from app.main import parse_args
-    from app.metrics import EXPORTED, prometheus_name
+    from app.observe.metrics import EXPORTED, prometheus_name
 
     problems = []
-    for path in set(re.findall(r"(?<![\w/.-])((?:app|actors|placement|configs|deploy|scripts|tests)/[\w./-]*\w)", text)):
+    for path in set(
+        re.findall(r"(?<![\w/.-])((?:app|actors|placement|configs|deploy|scripts|tests)/[\w./-]*\w)", text)
+    ):
         if not (ROOT / path).exists():
             problems.append(f"no such file: {path}")
     knobs = {name for name, _ in field_docs()}
@@ -753,18 +858,27 @@ def doc_problems(text: str) -> list[str]:
     for override in re.findall(r"`((?:[a-z_]+\.)+[a-z_]+)=[^`\s]+", text):
         if override not in knobs:
             problems.append(f"no config knob: {override}")
-    serve_source = "".join(p.read_text() for p in sorted((ROOT / "app").glob("serve*.py")))
+    serve_source = "".join(p.read_text() for p in sorted((ROOT / "app" / "serve").glob("*.py")))
     for line in re.findall(r"python -m app\.serve [^`\n]*", commands):
-        problems += [f"app.serve has no {flag}" for flag in re.findall(r"(?<!\S)(--[a-z-]+)", line)
-                     if f'"{flag}"' not in serve_source]
+        problems += [
+            f"app.serve has no {flag}"
+            for flag in re.findall(r"(?<!\S)(--[a-z-]+)", line)
+            if f'"{flag}"' not in serve_source
+        ]
     script = SCRIPT.read_text()
     for line in re.findall(r"train_job\.sh [^`\n]*", commands):
-        problems += [f"train_job.sh has no {flag}" for flag in re.findall(r"(?<!\S)(--[a-z-]+)", line)
-                     if f"{flag})" not in script]
+        problems += [
+            f"train_job.sh has no {flag}"
+            for flag in re.findall(r"(?<!\S)(--[a-z-]+)", line)
+            if f"{flag})" not in script
+        ]
         problems += [f"no config knob: {o}" for o in re.findall(r"(?<!\S)([a-z_.]+)=", line) if o not in knobs]
     exported = {prometheus_name(name) for name in EXPORTED}
-    problems += [f"not an exported metric: {m}" for m in set(re.findall(r"\bray_mazerl_[a-z0-9_]*[a-z0-9]", text))
-                 if m not in exported]
+    problems += [
+        f"not an exported metric: {m}"
+        for m in set(re.findall(r"\bray_mazerl_[a-z0-9_]*[a-z0-9]", text))
+        if m not in exported
+    ]
     return sorted(problems)
 
 
@@ -772,18 +886,41 @@ def test_operating_doc_covers_the_issue_and_names_only_things_that_exist():
     text = OPERATING.read_text()
     for section in ("Launch", "Watch", "Recover", "Export", "Serve"):
         assert re.search(rf"(?m)^## \d+\. {section}$", text), section
-    for needed in ("deploy/grafana/mazerl.json", "(SERVING.md)", "python -m app.serve", "ray_mazerl_",
-                   "scripts/train_job.sh", "deploy/k8s/rayjob.yaml", "deploy/k8s/raycluster.yaml"):
+    for needed in (
+        "deploy/grafana/mazerl.json",
+        "(SERVING.md)",
+        "python -m app.serve",
+        "ray_mazerl_",
+        "scripts/train_job.sh",
+        "deploy/k8s/rayjob.yaml",
+        "deploy/k8s/raycluster.yaml",
+    ):
         assert needed in text, needed
     assert doc_problems(text) == []
 
 
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")), "scripts/lab/README.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_doc_names_only_files_knobs_and_flags_that_exist(doc):
+    # the journal (docs/journal/) is history: it keeps the paths as they were
+    assert doc_problems((ROOT / doc).read_text()) == []
+
+
 def test_doc_check_finds_what_does_not_exist():
-    bad = ("see `deploy/k8s/missing.yaml`; `python -m app.main configs/hyperpod.yaml train.learning_rate=1`; "
-           "`python -m app.main --no-such-flag`; `python -m app.serve --model m --gpus 2`; "
-           "`scripts/train_job.sh --resume lr=1`; `ray_mazerl_solve_rate`; set `rollout.top_k=5`")
+    bad = (
+        "see `deploy/k8s/missing.yaml`; `python -m app.main configs/hyperpod.yaml train.learning_rate=1`; "
+        "`python -m app.main --no-such-flag`; `python -m app.serve --model m --gpus 2`; "
+        "`scripts/train_job.sh --resume lr=1`; `ray_mazerl_solve_rate`; set `rollout.top_k=5`"
+    )
     assert set(doc_problems(bad)) == {
-        "no such file: deploy/k8s/missing.yaml", "no config knob: train.learning_rate",
-        "app.main rejects: python -m app.main --no-such-flag", "app.serve has no --gpus",
-        "train_job.sh has no --resume", "no config knob: lr", "not an exported metric: ray_mazerl_solve_rate",
-        "no config knob: rollout.top_k"}
+        "no such file: deploy/k8s/missing.yaml",
+        "no config knob: train.learning_rate",
+        "app.main rejects: python -m app.main --no-such-flag",
+        "app.serve has no --gpus",
+        "train_job.sh has no --resume",
+        "no config knob: lr",
+        "not an exported metric: ray_mazerl_solve_rate",
+        "no config knob: rollout.top_k",
+    }

@@ -1,6 +1,6 @@
 """On a CUDA GPU with vLLM (skipped elsewhere): the rollout engine against the trainer, in bf16.
 
-Run on the device machine: `python -m pytest -q tests/test_gpu.py` (after scripts/gpu/install.sh).
+Run on the device machine: `python -m pytest -q tests/test_gpu.py` (after scripts/bench/install_gpu.sh).
 """
 
 from __future__ import annotations
@@ -20,43 +20,64 @@ SIZE, CELL, TURNS = 7, 32, 10
 def gpu_setup(tmp_path_factory):
     if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
         pytest.skip("needs a CUDA GPU and vLLM")
-    from app.engines.vllm import VLLMEngine
-    from app.episodes import EpisodeSettings
-    from app.maze import generate_maze
-    from app.model import ensure_model
-    from app.sft import demonstrations
-    from app.training import PolicyTrainer
+    from app.learning.sft import demonstrations
+    from app.learning.training import PolicyTrainer
+    from app.model.build import ensure_model
+    from app.rollout.engines.vllm import VLLMEngine
+    from app.world.maze import generate_maze
+    from app.world.rules import EpisodeSettings
 
-    cfg = load_config(None, ["model.dtype=bfloat16", "lora.rank=16", "lora.alpha=32", f"maze.size={SIZE}",
-                             f"maze.cell_px={CELL}", f"rollout.max_turns={TURNS}", "rollout.engine=vllm",
-                             "placement.gpus_per_bundle=1"], check_paths=False)
+    cfg = load_config(
+        None,
+        [
+            "model.dtype=bfloat16",
+            "lora.rank=16",
+            "lora.alpha=32",
+            f"maze.size={SIZE}",
+            f"maze.cell_px={CELL}",
+            f"rollout.max_turns={TURNS}",
+            "rollout.engine=vllm",
+            "placement.gpus_per_bundle=1",
+        ],
+        check_paths=False,
+    )
     model_dir = str(ensure_model(cfg.model, tmp_path_factory.mktemp("models")))
     trainer = PolicyTrainer(cfg, model_dir, device="cuda")
     settings = EpisodeSettings(TURNS, SIZE, CELL, 0, 4096)
     for _ in range(30):  # supervised steps, so the synced adapter changes what the model does
         trainer.sft_step(demonstrations([generate_maze(s, SIZE) for s in range(8)], trainer.codec, settings), 3e-3)
-    engine = VLLMEngine(model_dir, cfg.lora, dtype="bfloat16", max_model_len=4096, max_images=TURNS,
-                        gpu_memory_utilization=0.3, sleep_level=1, enforce_eager=True)
+    engine = VLLMEngine(
+        model_dir,
+        cfg.lora,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_images=TURNS,
+        gpu_memory_utilization=0.3,
+        sleep_level=1,
+        enforce_eager=True,
+    )
     engine.load_lora(trainer.lora_tensors(), 1)
     yield cfg, model_dir, trainer, engine, settings
     engine.shutdown()
 
 
 def requests(count: int, samples: int = 1):
-    from app.episodes import EpisodeRequest
-    from app.maze import generate_maze
+    from app.rollout.episodes import EpisodeRequest
+    from app.world.maze import generate_maze
 
     return [EpisodeRequest(generate_maze(1000 + i, SIZE), i, j) for i in range(count) for j in range(samples)]
 
 
 def test_vllm_and_trainer_logprobs_agree_after_a_sync(gpu_setup):
-    from app.engines.base import Sampling
-    from app.episodes import play_episodes
+    from app.rollout.engines.base import Sampling
+    from app.rollout.episodes import play_episodes
 
     _, _, trainer, engine, settings = gpu_setup
     trajectories = play_episodes(engine, engine.codec, requests(8, 4), settings, Sampling(12, 1.0, seed=1))
     metrics = trainer.train_step(trajectories)  # measures trainer vs rollout logprobs before it updates
-    print(f"bf16 logprob mismatch: mean {metrics['logprob_mismatch_mean']:.2e} max {metrics['logprob_mismatch_max']:.2e}")
+    print(
+        f"bf16 logprob mismatch: mean {metrics['logprob_mismatch_mean']:.2e} max {metrics['logprob_mismatch_max']:.2e}"
+    )
     assert metrics["logprob_mismatch_mean"] < 0.02  # bf16 kernels differ; measured 2.5e-3 on an H200
     assert metrics["logprob_mismatch_max"] < 1.0
     engine.load_lora(trainer.lora_tensors(), 2)  # the update, synced, for the next test
@@ -65,10 +86,10 @@ def test_vllm_and_trainer_logprobs_agree_after_a_sync(gpu_setup):
 def test_exported_adapter_in_vllm_gives_the_trainer_models_greedy_actions(gpu_setup, tmp_path):
     from vllm.lora.request import LoRARequest
 
-    from app.adapters import write_peft_folder
-    from app.engines.base import Sampling
-    from app.engines.hf import HFEngine
-    from app.episodes import play_episodes
+    from app.model.adapters import write_peft_folder
+    from app.rollout.engines.base import Sampling
+    from app.rollout.engines.hf import HFEngine
+    from app.rollout.episodes import play_episodes
 
     cfg, model_dir, trainer, engine, settings = gpu_setup
     greedy, mazes = Sampling(12, 0.0), requests(8)
@@ -95,9 +116,9 @@ def test_exported_adapter_in_vllm_gives_the_trainer_models_greedy_actions(gpu_se
 def test_sync_from_gpu_through_one_pinned_buffer_is_exact(gpu_setup):
     """The trainer's GPU tensors -> pack (one device->host copy) -> the engine (one host->device copy)."""
     from actors.rollout import lora_checksum
-    from app.adapters import pack, private_copies
-    from app.engines.base import Sampling
-    from app.episodes import play_episodes
+    from app.model.adapters import pack, private_copies
+    from app.rollout.engines.base import Sampling
+    from app.rollout.episodes import play_episodes
 
     _, _, trainer, engine, settings = gpu_setup
     on_gpu = trainer.lora_tensors(on_device=True)
@@ -111,4 +132,6 @@ def test_sync_from_gpu_through_one_pinned_buffer_is_exact(gpu_setup):
     from_dict = play_episodes(engine, engine.codec, mazes, settings, greedy)
     engine.load_lora(packed, 5)
     assert lora_checksum(engine.lora_state()) == lora_checksum(host)
-    assert [t.actions for t in play_episodes(engine, engine.codec, mazes, settings, greedy)] == [t.actions for t in from_dict]
+    assert [t.actions for t in play_episodes(engine, engine.codec, mazes, settings, greedy)] == [
+        t.actions for t in from_dict
+    ]

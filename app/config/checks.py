@@ -1,0 +1,152 @@
+"""Checks that involve several fields, the environment, or the file system, run before any actor starts.
+
+A batch that must divide over the trainer ranks, a maze that cannot be solved within the turn budget, paths
+that must exist: each failure is one `ConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from app.config.knobs import ConfigError
+from app.config.schema import LANGUAGE_MODEL_PROJECTIONS, Config
+
+
+def min_maze_turns(size: int) -> int:
+    """Fewest turns any maze of this size needs: the corner-to-corner Manhattan distance plus the stop."""
+    return 2 * (size - 3) + 1
+
+
+def check_combinations(cfg: Config, check_paths: bool = True) -> None:
+    """Checks that involve several fields, the environment, or the file system."""
+    m, r, t, p, c = cfg.model, cfg.rollout, cfg.train, cfg.placement, cfg.checkpoint
+    if cfg.maze.size % 2 == 0:
+        raise ConfigError("maze.size", f"{cfg.maze.size} is even", "use an odd size such as 7, 9 or 11")
+    need = min_maze_turns(cfg.maze.size)
+    if r.max_turns < need:
+        raise ConfigError(
+            "rollout.max_turns",
+            f"{r.max_turns} turns cannot solve any {cfg.maze.size}x{cfg.maze.size} maze "
+            f"(the shortest possible path plus stop takes {need})",
+            f"raise rollout.max_turns to at least {need} or lower maze.size",
+        )
+    episodes = cfg.episodes_per_step
+    if episodes % p.num_bundles:
+        raise ConfigError(
+            "train.mazes_per_step",
+            f"{t.mazes_per_step} mazes x {r.n_samples_per_prompt} samples = "
+            f"{episodes} episodes do not divide over {p.num_bundles} trainer ranks",
+            f"make mazes_per_step * n_samples_per_prompt a multiple of placement.num_bundles ({p.num_bundles})",
+        )
+    if t.min_informative_groups and not t.refill_rounds:
+        raise ConfigError(
+            "train.refill_rounds",
+            f"it is 0, so min_informative_groups ({t.min_informative_groups}) "
+            "can never send a step back for more mazes",
+            "set train.refill_rounds to 1 or more (e.g. 3), or train.min_informative_groups=0",
+        )
+    if t.min_informative_groups > t.mazes_per_step * (1 + t.refill_rounds):
+        raise ConfigError(
+            "train.min_informative_groups",
+            f"{t.min_informative_groups} groups cannot come from "
+            f"{1 + t.refill_rounds} rounds of {t.mazes_per_step} mazes",
+            "lower it, or raise train.refill_rounds or train.mazes_per_step",
+        )
+    if p.rollouts_per_bundle > 1 and r.engine == "vllm" and p.gpus_per_bundle > 0:
+        if not r.kv_cache_gb:
+            raise ConfigError(
+                "rollout.kv_cache_gb",
+                f"it is 0 with {p.rollouts_per_bundle} engines a GPU: engines that "
+                "start together count each other's memory as their own and size their KV cache wrongly "
+                "(or fail)",
+                "set rollout.kv_cache_gb, e.g. 2 for a small model",
+            )
+        share = p.gpus_per_bundle * (0.5 if p.colocate_all else 1.0)
+        if p.rollouts_per_bundle * r.gpu_memory_utilization > share + 1e-9:
+            raise ConfigError(
+                "rollout.gpu_memory_utilization",
+                f"{p.rollouts_per_bundle} engines x "
+                f"{r.gpu_memory_utilization} of the GPU is more than the {share:g} GPU their bundle gives "
+                "them",
+                f"lower it to {share / p.rollouts_per_bundle:.3g} or less (it is the memory "
+                "an engine needs free at its start; kv_cache_gb is what it takes)",
+            )
+    if t.advantage == "grpo" and r.n_samples_per_prompt < 2:
+        raise ConfigError(
+            "rollout.n_samples_per_prompt",
+            "GRPO needs at least 2 samples per maze to compare",
+            "set rollout.n_samples_per_prompt to 2 or more (8 in the reference run)",
+        )
+    if m.tiny.num_heads % m.tiny.num_kv_heads:
+        raise ConfigError(
+            "model.tiny.num_kv_heads",
+            f"{m.tiny.num_kv_heads} does not divide num_heads {m.tiny.num_heads}",
+            "pick a divisor of num_heads",
+        )
+    if (
+        r.engine == "vllm"
+        and p.gpus_per_bundle == 0
+        and m.tiny.head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+        and m.path == "tiny"
+    ):
+        raise ConfigError(
+            "model.tiny.head_dim",
+            f"vLLM's CPU attention has no kernel for head_dim {m.tiny.head_dim}",
+            "use 32, 64, 80, 96, 112 or 128",
+        )
+    if r.engine == "vllm" and p.gpus_per_bundle > 0 and m.dtype == "float32":
+        raise ConfigError(
+            "model.dtype",
+            "vLLM's LoRA kernels on GPU take only bfloat16 or float16 activations (float32 fails at engine start)",
+            "set model.dtype=bfloat16, or rollout.engine=hf",
+        )
+    if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.engine", "vllm is not installed in this Python", "run scripts/setup.sh, or set rollout.engine=hf"
+        )
+    if set(cfg.lora.target_modules) & {"qkv", "proj", "linear_fc1", "linear_fc2", "attn.qkv", "attn.proj"}:
+        raise ConfigError(
+            "lora.target_modules",
+            "vision-tower modules are listed (vLLM applies no LoRA there)",
+            f"target the language model only, e.g. {LANGUAGE_MODEL_PROJECTIONS}",
+        )
+    if c.resume_mode == "path" and not c.resume_path:
+        raise ConfigError(
+            "checkpoint.resume_path", "resume_mode is 'path' but no path is given", "set checkpoint.resume_path"
+        )
+    if c.s3_uri is not None and (not c.s3_uri.startswith("s3://") or len(c.s3_uri) <= 5 or c.s3_uri[5] == "/"):
+        raise ConfigError(
+            "checkpoint.s3_uri", f"{c.s3_uri!r} is not an s3://bucket/prefix URI", "write s3://bucket/prefix"
+        )
+    if not m.path:
+        raise ConfigError("model.path", "it is empty", "point it at a local HF model folder, or use 'tiny'")
+    if m.adapter_init == "":
+        raise ConfigError("model.adapter_init", "it is empty", "point it at a PEFT adapter folder, or leave it null")
+    if not cfg.run_name or "/" in cfg.run_name or cfg.run_name in (".", ".."):
+        raise ConfigError("run_name", f"{cfg.run_name!r} is not a plain folder name", "use letters, digits, - and _")
+    if check_paths:
+        _check_paths(cfg)
+
+
+def _check_paths(cfg: Config) -> None:
+    m, c = cfg.model, cfg.checkpoint
+    if m.path != "tiny":
+        if not Path(m.path).is_dir():
+            raise ConfigError(
+                "model.path", f"{m.path} is not a folder", "point it at a local HF model folder, or use 'tiny'"
+            )
+        if not (Path(m.path) / "config.json").is_file():
+            raise ConfigError(
+                "model.path", f"{m.path} has no config.json", "point it at a folder saved by save_pretrained"
+            )
+    if m.adapter_init is not None and not (Path(m.adapter_init) / "adapter_config.json").is_file():
+        raise ConfigError(
+            "model.adapter_init",
+            f"{m.adapter_init} has no adapter_config.json",
+            "point it at a PEFT adapter folder (e.g. one written by scripts/sft.py)",
+        )
+    if c.resume_mode == "path" and not c.resume_path.startswith("s3://") and not Path(c.resume_path).exists():
+        raise ConfigError(
+            "checkpoint.resume_path", f"{c.resume_path} does not exist", "give an existing checkpoint folder"
+        )

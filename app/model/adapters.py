@@ -1,0 +1,277 @@
+"""The LoRA adapter as data: its tensor names and shapes, validation, and the PEFT folder format.
+
+Every place an adapter crosses a boundary goes through here: the trainer's gathered state, the sync to
+rollout engines (vLLM accepts an adapter of the wrong shapes without a word), the exported PEFT
+folder, and the serving app. Names are PEFT's saved names
+(`base_model.model.model.language_model.layers.{i}.self_attn.q_proj.lora_A.weight`), A is [r, in] and
+B is [out, r].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from app.config import LoraSettings
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model.model.language_model.layers"
+_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+# Wrapper segments that FSDP, activation checkpointing or torch.compile put into parameter names.
+_WRAPPER_SEGMENTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+class AdapterMismatch(ValueError):
+    """An adapter whose tensors do not fit the base model and LoRA settings."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a valid adapter for one base model and LoRA setting looks like."""
+
+    shapes: dict[str, tuple[int, int]]
+    rank: int
+    alpha: int
+    target_modules: tuple[str, ...]
+
+    @classmethod
+    def for_model(cls, text_config, settings: LoraSettings) -> AdapterSpec:
+        return cls(
+            expected_shapes(text_config, settings.rank, settings.target_modules),
+            settings.rank,
+            settings.alpha,
+            tuple(settings.target_modules),
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(a * b for a, b in self.shapes.values())
+
+    def peft_config(self, base_model: str = "") -> dict:
+        """adapter_config.json contents that PEFT and vLLM both load."""
+        return {
+            "peft_type": "LORA",
+            "task_type": None,
+            "base_model_name_or_path": base_model,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": 0.0,
+            "target_modules": sorted(self.target_modules),
+            "bias": "none",
+            "use_rslora": False,
+            "use_dora": False,
+            "modules_to_save": None,
+            "fan_in_fan_out": False,
+            "init_lora_weights": True,
+            "inference_mode": True,
+        }
+
+
+def module_dims(text_config, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a language-model projection."""
+    hidden, inter = text_config.hidden_size, text_config.intermediate_size
+    head_dim = getattr(text_config, "head_dim", None) or hidden // text_config.num_attention_heads
+    q_out = text_config.num_attention_heads * head_dim
+    kv_out = text_config.num_key_value_heads * head_dim
+    dims = {
+        "q_proj": (hidden, q_out),
+        "k_proj": (hidden, kv_out),
+        "v_proj": (hidden, kv_out),
+        "o_proj": (q_out, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    if module not in dims:
+        raise AdapterMismatch(f"LoRA target '{module}' is not a language-model projection ({sorted(dims)})")
+    return dims[module]
+
+
+def expected_shapes(text_config, rank: int, target_modules) -> dict[str, tuple[int, int]]:
+    shapes = {}
+    for layer in range(text_config.num_hidden_layers):
+        for module in sorted(target_modules):
+            block = "self_attn" if module in _ATTENTION else "mlp"
+            stem = f"{PEFT_PREFIX}.{layer}.{block}.{module}"
+            fan_in, fan_out = module_dims(text_config, module)
+            shapes[f"{stem}.lora_A.weight"] = (rank, fan_in)
+            shapes[f"{stem}.lora_B.weight"] = (fan_out, rank)
+    return shapes
+
+
+def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT saved names: no adapter name (`.default`), no FSDP/checkpoint wrapper segments."""
+    out = {}
+    for name, tensor in tensors.items():
+        clean = _WRAPPER_SEGMENTS.sub("", name).replace(".default.", ".")
+        if not clean.startswith("base_model.model."):
+            clean = "base_model.model." + clean
+        out[clean] = tensor
+    return out
+
+
+def validate(tensors: dict[str, torch.Tensor], spec: AdapterSpec, check_values: bool = True) -> None:
+    """Raises AdapterMismatch unless the tensors are exactly the expected set, with the expected shapes.
+
+    check_values also scans every value for NaN/inf (a full pass over the data); the sync path does that
+    once in the trainer, so the receiving engines check names, shapes and dtypes only."""
+    names = set(tensors)
+    missing = sorted(set(spec.shapes) - names)
+    unexpected = sorted(names - set(spec.shapes))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing (e.g. {missing[0]})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
+    for name in sorted(names & set(spec.shapes)):
+        t = tensors[name]
+        if tuple(t.shape) != spec.shapes[name]:
+            problems.append(f"{name} has shape {tuple(t.shape)}, expected {spec.shapes[name]}")
+            break
+        if not t.is_floating_point():
+            problems.append(f"{name} has dtype {t.dtype}, expected a floating-point tensor")
+            break
+        if check_values and not torch.isfinite(t).all():
+            problems.append(f"{name} holds NaN or infinite values")
+            break
+    if problems:
+        raise AdapterMismatch(f"adapter does not fit the model (rank {spec.rank}): " + "; ".join(problems))
+
+
+def private_copies(
+    adapter: PackedTensors | dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Contiguous copies of an adapter on `device` that nobody else holds: vLLM scales lora_B in place, which
+    must never reach the caller's tensors or the object store's buffer.
+
+    A packed adapter goes to an accelerator as one host-to-device copy of its buffer, the tensors then
+    being views of it: 436 per-tensor copies of the 8B-shaped adapter each pay a transfer's latency.
+    """
+    device = torch.device(device)
+    if isinstance(adapter, PackedTensors) and device.type != "cpu":
+        flat = _as_tensor(adapter.buffer).to(device)
+        views = _views(flat, adapter.index)
+        return {k: v if dtype in (None, v.dtype) else v.to(dtype) for k, v in views.items()}
+    return {
+        k: v.detach().to(device, dtype=dtype or v.dtype, copy=True).contiguous() for k, v in unpack(adapter).items()
+    }
+
+
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """Raises AdapterMismatch if any value is NaN or infinite (one device sync for all tensors)."""
+    if not tensors:
+        return
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()])
+    if not bool(finite.all()):
+        bad = [name for name, ok in zip(tensors, finite.tolist()) if not ok]
+        raise AdapterMismatch(
+            f"adapter does not fit the model: {bad[0]} holds NaN or infinite values "
+            f"({len(bad)} of {len(tensors)} tensors do)"
+        )
+
+
+# ---------------------------------------------------------------- transport through Ray's object store
+
+
+@dataclass
+class PackedTensors:
+    """Tensors as one contiguous uint8 buffer plus an index.
+
+    Ray stores a numpy array in shared memory and hands readers a zero-copy view, while a dict of torch
+    tensors is pickled and copied by every reader; packing makes the sync one copy in, none out.
+    """
+
+    buffer: np.ndarray
+    index: list[tuple[str, str, tuple[int, ...], int, int]]  # name, dtype, shape, byte offset, byte count
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> PackedTensors:
+    """One host buffer holding every tensor's bytes.
+
+    Tensors on an accelerator are first laid out in one device buffer and then copied to pinned host
+    memory in a single transfer: per-tensor copies from the GPU go through pageable staging one by one
+    (0.2 s for the 8B-shaped adapter on an H200 box).
+    """
+    index, offset = [], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        index.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
+        offset += n
+    device = next((t.device for t in tensors.values() if t.device.type != "cpu"), None)
+    if device is not None and device.type == "cuda":
+        flat = torch.cat(
+            [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+            or [torch.empty(0, dtype=torch.uint8, device=device)]
+        )
+        host = torch.empty(offset, dtype=torch.uint8, pin_memory=True)  # torch caches pinned blocks
+        host.copy_(flat)
+        return PackedTensors(host.numpy(), index)  # the array keeps `host` alive
+    buffer = np.empty(offset, dtype=np.uint8)
+    for (name, _, _, start, n), t in zip(index, tensors.values()):
+        buffer[start : start + n] = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return PackedTensors(buffer, index)
+
+
+def _as_tensor(buffer: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; nothing here writes to them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(buffer)
+
+
+def _views(flat: torch.Tensor, index) -> dict[str, torch.Tensor]:
+    return {
+        name: flat[start : start + n].view(getattr(torch, dtype)).reshape(shape)
+        for name, dtype, shape, start, n in index
+    }
+
+
+def unpack(packed: PackedTensors | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors viewing the packed buffer (read-only when it came from Ray: copy before writing)."""
+    if isinstance(packed, dict):
+        return packed
+    return _views(_as_tensor(packed.buffer), packed.index)
+
+
+# ---------------------------------------------------------------- the PEFT folder
+
+
+def write_peft_folder(
+    tensors: dict[str, torch.Tensor], spec: AdapterSpec, out_dir: str | os.PathLike, base_model: str = ""
+) -> Path:
+    """Writes adapter_model.safetensors + adapter_config.json into out_dir (which must not be in use)."""
+
+    validate(tensors, spec)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(private_copies(tensors, "cpu"), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(spec.peft_config(base_model), indent=2))
+    return out
+
+
+def read_peft_folder(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+
+    folder = Path(path)
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    return normalize_keys(load_file(str(folder / ADAPTER_WEIGHTS))), config
+
+
+def spec_from_peft_config(text_config, config: dict) -> AdapterSpec:
+    """The spec an adapter folder claims, checked against the base model's shapes."""
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        raise AdapterMismatch("adapter_config.json gives target_modules as a regex; list module names instead")
+    settings = LoraSettings(rank=int(config["r"]), alpha=int(config["lora_alpha"]), target_modules=list(targets))
+    return AdapterSpec.for_model(text_config, settings)

@@ -1,0 +1,81 @@
+"""Qwen3-VL models from a local folder, and the LoRA that trains on them.
+
+A model folder is `model.path` or one app/model/build.py made; nothing here touches a model hub.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+from app.config import LoraSettings
+from app.model.vision_attention import use_batched_vision_attention
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # rule 8: no hub at run time, even by accident
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+# Tokens a policy must never sample: an extra image placeholder breaks the multimodal forward.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def load_model(path: str | os.PathLike, dtype: str = "float32", device: str | torch.device = "cpu"):
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    use_batched_vision_attention(model)  # the same attention, one call for all pictures instead of one each
+    return model.to(device)
+
+
+def load_processor(path: str | os.PathLike):
+
+    return AutoProcessor.from_pretrained(str(path))
+
+
+def forbidden_token_ids(tokenizer) -> list[int]:
+    return [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def lora_config(settings: LoraSettings):
+
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+    )
+
+
+def apply_lora(model, settings: LoraSettings, adapter_init: str | os.PathLike | None = None):
+    """Wraps the model with a trainable LoRA on the language model (from adapter_init when given)."""
+
+    if adapter_init is not None:
+        peft_model = PeftModel.from_pretrained(model, str(adapter_init), is_trainable=True)
+    else:
+        peft_model = get_peft_model(model, lora_config(settings))
+    assert_language_model_only(peft_model)
+    return peft_model
+
+
+def assert_language_model_only(peft_model) -> None:
+    """Rule 4: LoRA sits on the language model only; vLLM applies none to the vision tower."""
+    names = [n for n, _ in peft_model.named_parameters() if "lora_" in n]
+    if not names:
+        raise ValueError("no LoRA parameters were created: lora.target_modules matched no module")
+    stray = [n for n in names if ".language_model." not in n]
+    if stray:
+        raise ValueError(
+            f"LoRA reached modules outside the language model, e.g. {stray[0]}; "
+            "restrict lora.target_modules to language-model projections"
+        )
+
+
+def lora_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names (`...lora_A.weight`, no adapter name), detached CPU copies."""
+
+    return {k: v.detach().to("cpu").clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}

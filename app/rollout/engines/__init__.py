@@ -1,0 +1,37 @@
+"""Generation engines behind one interface (`base.Engine`): vLLM, and transformers."""
+
+from __future__ import annotations
+
+from app.config import Config
+from app.rollout.engines.base import Engine, Generation, Prompt, Sampling
+from app.rollout.engines.hf import HFEngine
+from app.rollout.engines.vllm import VLLMEngine
+
+__all__ = ["Engine", "Generation", "Prompt", "Sampling", "make_engine", "max_images_per_prompt"]
+
+
+def max_images_per_prompt(cfg: Config) -> int:
+    # the opening's picture plus one per observation in the turn window, at most one per turn
+    turns, window = cfg.rollout.max_turns, cfg.rollout.turn_history
+    in_view = min(window + 1, turns) if window else turns
+    return min(cfg.rollout.image_history or in_view, in_view)
+
+
+def make_engine(cfg: Config, model_dir: str, device: str = "cpu", index: int = 0) -> Engine:
+    """The engine the config asks for, on this process's device; index: the rollout actor's, which offsets the
+    engine's own seed (the one a CPU engine samples with), so that actors do not draw the same random numbers."""
+    if cfg.rollout.engine == "vllm":
+        return VLLMEngine(
+            model_dir,
+            cfg.lora,
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len,
+            max_images=max_images_per_prompt(cfg),
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            sleep_level=cfg.rollout.sleep_level,
+            enforce_eager=cfg.rollout.enforce_eager,
+            seed=cfg.train.seed + index,
+            kv_cache_gb=cfg.rollout.kv_cache_gb,
+        )
+
+    return HFEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, device=device)

