@@ -17,29 +17,32 @@ from app.world.sampler import eval_mazes
 
 @ray.remote
 class EvaluatorActor:
-    def __init__(self, cfg: Config, rollouts: list, out_dir: str):
-        self.cfg, self.rollouts = cfg, rollouts
+    def __init__(self, cfg: Config, out_dir: str):
+        self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.mazes = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
 
     def identities(self) -> list[str]:
         return [m.identity for m in self.mazes]
 
-    def evaluate(self, step: int) -> dict:
-        """Plays every held-out maze once, greedily (and eval.samples times sampled); writes per-maze outcomes of
-        the greedy play; returns the summary."""
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def evaluate(self, step: int, rollouts: list) -> dict:
+        """Plays every held-out maze once, greedily (and eval.samples times sampled), through these rollout actors;
+        writes per-maze outcomes of the greedy play; returns the summary."""
         greedy = Sampling(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
-        shares = [[] for _ in self.rollouts]
+        shares = [[] for _ in rollouts]
         for i, maze in enumerate(self.mazes):
-            shares[i % len(self.rollouts)].append((maze, i))
-        refs = [actor.play.remote(share, 1, greedy)[1] for actor, share in zip(self.rollouts, shares) if share]
+            shares[i % len(rollouts)].append((maze, i))
+        refs = [actor.play.remote(share, 1, greedy)[1] for actor, share in zip(rollouts, shares) if share]
         trajectories = sorted((t for batch in ray.get(refs) for t in batch), key=lambda t: t.group)
         report = eval_report(trajectories, self.cfg.rollout.max_turns)
         report.update(diagnosis_metrics(report, self.cfg.maze.size), step=step)
         if self.cfg.eval.samples:
             refs = [
                 actor.play.remote(share, self.cfg.eval.samples, sampled_sampling(self.cfg))[1]
-                for actor, share in zip(self.rollouts, shares)
+                for actor, share in zip(rollouts, shares)
                 if share
             ]
             sampled = [t for batch in ray.get(refs) for t in batch]

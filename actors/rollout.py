@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import ray
 import torch
 
-from app.config import Config
-from app.model.adapters import PackedTensors, unpack
+from app.config import Config, LoraSettings
+from app.model.adapters import PackedTensors, held_form, unpack
 from app.model.build import ensure_model
 from app.rollout.engines import Sampling, make_engine
 from app.rollout.episodes import EpisodeRequest, play_episodes
@@ -27,7 +28,12 @@ class RolloutActor:
         self.settings = EpisodeSettings.from_config(cfg)
 
     def ready(self) -> dict:
-        return {"index": self.index, "node": ray.get_runtime_context().get_node_id(), **self.engine.stats()}
+        return {
+            "index": self.index,
+            "node": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            **self.engine.stats(),
+        }
 
     @ray.method(num_returns=2)
     def play(self, groups: list[tuple[Maze, int]], n_samples: int, sampling: Sampling) -> tuple[dict, list[Trajectory]]:
@@ -44,7 +50,8 @@ class RolloutActor:
         return {"index": self.index, "version": version}
 
     def lora_checksum(self) -> str:
-        """Checksum of the adapter the engine generates with ("" before the first sync)."""
+        """Checksum of the adapter the engine generates with, read back from the engine ("" before the first sync);
+        `held_checksum` of the trainer's tensors is what it must equal."""
         state = self.engine.lora_state()
         return lora_checksum(state) if state is not None else ""
 
@@ -68,3 +75,9 @@ def lora_checksum(tensors: PackedTensors | dict[str, torch.Tensor]) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def held_checksum(tensors: PackedTensors | dict[str, torch.Tensor], lora: LoraSettings, dtype: str = "float32") -> str:
+    """The checksum a rollout actor reports (`RolloutActor.lora_checksum`) once its engine holds `tensors`, the
+    trainer's adapter: equal exactly when the engine holds it bit for bit."""
+    return lora_checksum(held_form(unpack(tensors), lora.rank, lora.alpha, getattr(torch, dtype)))

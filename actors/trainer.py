@@ -52,7 +52,7 @@ class TrainerActor:
                 init_method=f"tcp://{master_addr}:{master_port}",
                 rank=self.rank,
                 world_size=self.world,
-                timeout=timedelta(minutes=30),
+                timeout=timedelta(seconds=self.cfg.waits.collective_s),  # how long survivors wait for a lost rank
             )
         self.trainer = PolicyTrainer(self.cfg, self.model_dir, self.rank, self.world, self.device)
         return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id(), "device": self.device}

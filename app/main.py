@@ -16,11 +16,25 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import ray
-
 from app.config import Config, ConfigError, absolute_paths, describe, load_config
 from app.driver.cluster import Actors, connect_ray, recoverable_errors, shutdown, spawn
-from app.driver.phases import merge_rollout, prefixed, rollout_phase, sampling_phase, sync_lora, timed
+from app.driver.phases import (
+    evaluate,
+    export_adapter,
+    flush_replicas,
+    merge_rollout,
+    prefixed,
+    rollout_phase,
+    sampling_phase,
+    sleep_engines,
+    sync_lora,
+    timed,
+    train_phase,
+    warm_start_step,
+    write_checkpoint,
+)
+from app.driver.preflight import check_context_budget, check_storage, describe_preflight
+from app.driver.waits import Waits
 from app.observe.metrics import MetricsSink
 from app.observe.report import build_report
 from app.world.sampler import MazeSampler, eval_mazes
@@ -46,8 +60,11 @@ class Run:
 
     def __init__(self, cfg: Config, sampler: MazeSampler, sink):
         self.cfg, self.sampler, self.sink = cfg, sampler, sink
+        self.waits = Waits(cfg.waits)
         self.recoveries = 0
         self.last_checkpoint = 0
+        self.saved_steps: list[int] = []  # the checkpoints this run committed: a recovery resumes from the newest
+        self.start_sampler = sampler.state_dict()  # where the run began, for a recovery before any checkpoint
         self.history: list[dict] = []
 
     def json_state(self, trainer_state: dict) -> dict:
@@ -61,12 +78,15 @@ class Run:
 
 
 def restore(run: Run, actors: Actors) -> int:
-    """Resume from a checkpoint, or start fresh (with the warm start); returns the step to continue after."""
+    """Resume from a checkpoint, or start fresh (with the warm start); returns the step to continue after.
 
+    A recovery resumes from the newest checkpoint this run committed, whatever checkpoint.resume_mode says (it
+    chose the run's start); before the first one, from the run's start again, sampler and history included."""
     cfg = run.cfg
-    summary_ref, saved_ref = actors.consolidator.resume.remote()
-    summary = ray.get(summary_ref)
-    ray.get([t.load_state.remote(saved_ref) for t in actors.trainers])
+    waits = run.waits
+    summary_ref, saved_ref = actors.consolidator.resume.remote(run.saved_steps)
+    summary = waits.one(summary_ref, "restore", actors.label("consolidator"))
+    waits.gather([t.load_state.remote(saved_ref) for t in actors.trainers], "restore", actors.trainer_names)
     step = summary["step"]
     if step:
         state = summary["state"]
@@ -75,62 +95,57 @@ def restore(run: Run, actors: Actors) -> int:
         run.last_checkpoint = step
         log.info("resuming from checkpoint %s (step %d)", summary["location"], step)
     else:
+        run.sampler.load_state_dict(run.start_sampler)
+        run.history, run.last_checkpoint = [], 0
         log.info("no checkpoint to resume from (resume_mode %s): starting at step 0", cfg.checkpoint.resume_mode)
     if not step and cfg.sft.steps and not cfg.model.adapter_init:
         for k in range(1, cfg.sft.steps + 1):
             seeds = [m.seed for m in run.sampler.next(cfg.sft.mazes_per_step)]
-            run.sink.record(
-                0, {"sft_step": k, **ray.get([t.sft_step.remote(seeds, cfg.sft.lr) for t in actors.trainers])[0]}
-            )
-    sync_lora(actors, [t.lora.remote() for t in actors.trainers][0], step)
+            run.sink.record(0, {"sft_step": k, **warm_start_step(actors, seeds, cfg.sft.lr, waits)})
+    sync_lora(actors, [t.lora.remote() for t in actors.trainers][0], step, waits)
     if cfg.eval.at_start and not step:
-        run.sink.record(0, prefixed("eval", ray.get(actors.evaluator.evaluate.remote(0))))
+        run.sink.record(0, evaluate(actors, 0, waits))
     return step
 
 
 def save(run: Run, actors: Actors, step: int, lora_ref) -> dict:
     """Exports the adapter and writes the full checkpoint when their intervals come due."""
-
     ck, out = run.cfg.checkpoint, {}
     if ck.hf_save_interval and step % ck.hf_save_interval == 0:
-        out.update(ray.get(actors.consolidator.export_adapter.remote(step, lora_ref)))
+        out.update(export_adapter(actors, step, lora_ref, run.waits))
     if ck.ckpt_interval and (step % ck.ckpt_interval == 0 or step == run.cfg.total_steps):
-        adapter, optimizer, rng, trainer_state = zip(*[t.checkpoint_state.remote() for t in actors.trainers])
-        info = ray.get(
-            actors.consolidator.save_checkpoint.remote(
-                step, adapter[0], optimizer[0], rng[0], run.json_state(ray.get(trainer_state[0]))
-            )
-        )
+        info = write_checkpoint(actors, step, run.json_state, run.waits)
         run.last_checkpoint = step
+        run.saved_steps.append(step)
         out.update({k: v for k, v in info.items() if k != "name"})
     return out
 
 
 def run_steps(run: Run, actors: Actors, start: int) -> None:
 
-    cfg = run.cfg
+    cfg, waits = run.cfg, run.waits
     for step in range(start + 1, cfg.total_steps + 1):
         times: dict = {}
         with timed(times, "rollout"):
             summaries, trajectory_refs, sampling = sampling_phase(
-                lambda mazes, round_, step=step: rollout_phase(actors, mazes, cfg, step, round_), run.sampler, cfg.train
+                lambda mazes, round_, s=step: rollout_phase(actors, mazes, cfg, s, round_, waits),
+                run.sampler,
+                cfg.train,
             )
-        ray.get([a.sleep.remote() for a in actors.rollouts])
+        sleep_engines(actors, waits)
         with timed(times, "train"):
-            results = [t.step.remote(trajectory_refs, step) for t in actors.trainers]
-            train_metrics = ray.get([m for m, _ in results])[0]
+            train_metrics, lora_ref = train_phase(actors, trajectory_refs, step, waits)
         with timed(times, "sync"):
-            sync_lora(actors, results[0][1], step)
+            sync_lora(actors, lora_ref, step, waits)
         metrics = {**merge_rollout(summaries, times["time_rollout_s"]), **sampling, **prefixed("train", train_metrics)}
-        if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or step == cfg.total_steps):
+        if step == cfg.total_steps or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0):
             with timed(times, "eval"):
-                metrics.update(prefixed("eval", ray.get(actors.evaluator.evaluate.remote(step))))
+                metrics.update(evaluate(actors, step, waits))
         with timed(times, "checkpoint"):
-            metrics.update(save(run, actors, step, results[0][1]))
+            metrics.update(save(run, actors, step, lora_ref))
         times["time_step_s"] = sum(times.values())
-        metrics.update(
-            times, lora_version=step, recoveries=run.recoveries, checkpoint_age_steps=step - run.last_checkpoint
-        )
+        metrics.update(times, lora_version=step, recoveries=run.recoveries, stalls=waits.stalls)
+        metrics.update(checkpoint_age_steps=step - run.last_checkpoint)
         run.history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))} | {"step": step})
         run.sink.record(step, metrics)
 
@@ -157,23 +172,34 @@ def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler) -> int:
         while True:
             actors = None
             try:
-                actors = spawn(cfg, plan)
+                actors = spawn(cfg, plan, run.waits)
                 run_steps(run, actors, restore(run, actors))
+                flush_replicas(actors, run.waits)
                 write_report(run_dir)
                 return 0
             except recoverable_errors() as e:
                 run.recoveries += 1
                 if run.recoveries > cfg.checkpoint.max_failures:
-                    log.error("giving up after %d recoveries: %s", run.recoveries - 1, e)
-                    raise
+                    log.error(
+                        "giving up after %d recoveries (checkpoint.max_failures): %s: %s. The newest checkpoint is "
+                        "step %d; submitting the job again resumes from it.",
+                        run.recoveries - 1,
+                        type(e).__name__,
+                        str(e).splitlines()[0][:300],
+                        run.last_checkpoint,
+                    )
+                    return 1
                 log.warning(
-                    "lost an actor or node (%s: %s); recovery %d of %d from the latest checkpoint",
+                    "lost an actor or node (%s: %s); recovery %d of %d, from this run's newest checkpoint",
                     type(e).__name__,
                     str(e).splitlines()[0][:200],
                     run.recoveries,
                     cfg.checkpoint.max_failures,
                 )
-                run.sink.record(run.last_checkpoint, {"recoveries": run.recoveries, "recovery_at": time.time()})
+                run.sink.record(
+                    run.last_checkpoint,
+                    {"recoveries": run.recoveries, "stalls": run.waits.stalls, "recovery_at": time.time()},
+                )
             finally:
                 if actors is not None:
                     shutdown(actors)
@@ -189,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = placement.make_plan(cfg)
         if args.plan:
             print(describe(cfg))
+            print("\n".join(describe_preflight(cfg)))
             nodes = placement.parse_cluster(args.cluster) if args.cluster else []
             print(placement.describe(plan, {k: v for _, r in nodes for k, v in r.items()}))
             if nodes:
@@ -202,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         sampler = MazeSampler(
             cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, eval_ids, random_starts=cfg.train.random_starts
         )
+        check_storage(cfg)
+        check_context_budget(cfg)
         ray = connect_ray(cfg)
         placement.check_cluster(plan, ray.cluster_resources())
     except ConfigError as e:

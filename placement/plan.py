@@ -5,12 +5,15 @@ its GPU and half its CPUs, and take turns (the engine sleeps while the trainer t
 2N bundles, rollout actors in the first N, trainers in the last N, each with a whole bundle. With
 placement.rollouts_per_bundle M, M rollout actors share what one would have had in a bundle (rollout actor j
 sits in bundle j // M): an in-process vLLM engine prepares its requests on one host thread, and a small model
-leaves the GPU idle while it does (docs/BENCHMARKS.md). The evaluator needs only a little CPU anywhere; the
-consolidator is pinned to the head node because it writes to the head's shared directory and outlives worker nodes.
+leaves the GPU idle while it does (docs/BENCHMARKS.md). The consolidator is pinned to the head node because it
+writes to the head's shared directory and outlives worker nodes; the evaluator, which needs only a little CPU, goes
+there too, so that a lost worker never takes it along. Both are placed before the placement group (app/driver/
+cluster.py), so the head's share is theirs on any cluster, as `simulate` assumes.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -22,6 +25,7 @@ from app.config import Config, ConfigError
 
 HEAD_RESOURCE = "head"  # KubeRay's head pod advertises it (deploy/k8s); Ray's own marker is the fallback
 RAY_HEAD_MARKER = "node:__internal_head__"
+log = logging.getLogger("mazerl")
 
 
 @dataclass(frozen=True)
@@ -101,23 +105,69 @@ def check_cluster(plan: Plan, resources: dict) -> None:
         )
 
 
-def create_placement_group(plan: Plan, timeout_s: float, name: str = ""):
+def check_nodes(plan: Plan, nodes: list[dict]) -> None:
+    """Fails before any actor starts when no node could ever hold a bundle, or the head its actors: an impossible
+    placement is an error that names what is missing, not a wait."""
+    head = next((n for n in nodes if n.get(HEAD_RESOURCE)), None) or next(
+        (n for n in nodes if n.get(RAY_HEAD_MARKER)), None
+    )
+    need = plan.consolidator_cpus + plan.evaluator_cpus
+    if head is not None and head.get("CPU", 0) < need:
+        raise ConfigError(
+            "placement.consolidator_cpus",
+            f"the consolidator and the evaluator are pinned to the head node and need CPU {need:g}; the head has "
+            f"CPU {head.get('CPU', 0):g}",
+            "lower placement.consolidator_cpus and placement.evaluator_cpus, or give the head node CPUs",
+        )
+    for b in plan.bundles:
+        if not any(all(n.get(k, 0) >= v for k, v in b.items()) for n in nodes):
+            biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)), default={})
+            field = (
+                "placement.gpus_per_bundle" if b.get("GPU", 0) > biggest.get("GPU", 0) else "placement.cpus_per_bundle"
+            )
+            raise ConfigError(
+                field,
+                f"a bundle needs {b}, and no node has that much (the largest: GPU {biggest.get('GPU', 0):g}, "
+                f"CPU {biggest.get('CPU', 0):g})",
+                "lower placement.cpus_per_bundle / placement.gpus_per_bundle, or add larger nodes",
+            )
 
+
+def create_placement_group(plan: Plan, timeout_s: float, name: str = "", report_every_s: float = 10.0):
+    """The placement group, ready; while it is not, a log line every report_every_s says what it waits for and
+    until when; past timeout_s it is removed and a TimeoutError names the bundles and what the cluster has free."""
     pg = placement_group(plan.bundles, strategy=plan.strategy, name=name)
     start = time.monotonic()
+    until = time.strftime("%H:%M:%S", time.localtime(time.time() + timeout_s))
     ready = pg.ready()
-    remaining = timeout_s
-    while remaining > 0:
-        done, _ = ray.wait([ready], timeout=min(remaining, 5.0))
+    while time.monotonic() - start < timeout_s:
+        done, _ = ray.wait([ready], timeout=min(report_every_s, max(0.0, timeout_s - (time.monotonic() - start))))
         if done:
             ray.get(ready)
             return pg
-        remaining = timeout_s - (time.monotonic() - start)
+        log.info(
+            "waiting for the placement group (%d bundles of %s) for %.0f s, until %s at most "
+            "(placement.wait_for_resources_s); free in the cluster: %s",
+            len(plan.bundles),
+            plan.bundles[0],
+            time.monotonic() - start,
+            until,
+            _free(),
+        )
     ray.util.remove_placement_group(pg)
     raise TimeoutError(
-        f"the placement group {plan.bundles} was not ready after {timeout_s:.0f} s; "
-        "the cluster lacks the resources (see placement.wait_for_resources_s)"
+        f"the placement group {plan.bundles} was not ready after {timeout_s:.0f} s; free in the cluster: {_free()} "
+        "(placement.wait_for_resources_s bounds this wait)"
     )
+
+
+def _free() -> dict:
+    return {k: round(v, 3) for k, v in sorted(ray.available_resources().items()) if k in ("CPU", "GPU", HEAD_RESOURCE)}
+
+
+def on_head(actor: str, cpus: float) -> str:
+    """How a wait names a head-pinned actor: what it needs, so a stall says what is missing."""
+    return f"{actor} (CPU {cpus:g} on the head node)"
 
 
 def in_bundle(pg, index: int) -> dict:
@@ -137,8 +187,8 @@ def trainer_options(plan: Plan, pg, i: int) -> dict:
     return {"num_cpus": plan.trainer_cpus, "num_gpus": plan.trainer_gpus, **in_bundle(pg, plan.trainer_bundle(i))}
 
 
-def evaluator_options(plan: Plan) -> dict:
-    return {"num_cpus": plan.evaluator_cpus}
+def evaluator_options(plan: Plan, cluster_resources: dict) -> dict:
+    return {"num_cpus": plan.evaluator_cpus, "resources": {head_resource(cluster_resources): 0.001}}
 
 
 def head_resource(cluster_resources: dict) -> str:
@@ -178,7 +228,7 @@ def simulate(plan: Plan, nodes: list[tuple[str, dict]]) -> list[str]:
     free = [dict(res) for _, res in nodes]
     # reserve what the head-pinned and free-floating actors need first, so bundles do not take it
     head = next((i for i, (_, r) in enumerate(nodes) if r.get(HEAD_RESOURCE)), 0)
-    free[head]["CPU"] = free[head].get("CPU", 0) - plan.consolidator_cpus
+    free[head]["CPU"] = free[head].get("CPU", 0) - plan.consolidator_cpus - plan.evaluator_cpus
     placed = []
     for b in plan.bundles:
         target = next((i for i, f in enumerate(free) if all(f.get(k, 0) >= v for k, v in b.items())), None)
@@ -206,8 +256,8 @@ def describe(plan: Plan, cluster_resources: dict | None = None) -> str:
             if plan.trainer_bundle(r) == i:
                 who.append(f"trainer-{r} (GPU {plan.trainer_gpus:g}, CPU {plan.trainer_cpus:g})")
         lines.append(f"  bundle {i}: {b} -> {', '.join(who)}")
-    lines.append(f"evaluator: CPU {plan.evaluator_cpus:g}, anywhere")
     marker = head_resource(cluster_resources or {})
+    lines.append(f"evaluator: CPU {plan.evaluator_cpus:g}, pinned to the head node (resource '{marker}')")
     lines.append(f"consolidator: CPU {plan.consolidator_cpus:g}, pinned to the head node (resource '{marker}')")
     lines.append(f"total: {plan.total_gpus:g} GPUs, {plan.total_cpus:g} CPUs")
     return "\n".join(lines)

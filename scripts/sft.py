@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    from app.driver.cluster import model_cache
+    from app.driver.preflight import model_cache
     from app.learning.sft import WarmStartData, export_full_model
     from app.learning.training import PolicyTrainer
     from app.model.build import ensure_model

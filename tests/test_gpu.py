@@ -115,12 +115,12 @@ def test_exported_adapter_in_vllm_gives_the_trainer_models_greedy_actions(gpu_se
 
 def test_sync_from_gpu_through_one_pinned_buffer_is_exact(gpu_setup):
     """The trainer's GPU tensors -> pack (one device->host copy) -> the engine (one host->device copy)."""
-    from actors.rollout import lora_checksum
+    from actors.rollout import held_checksum, lora_checksum
     from app.model.adapters import pack, private_copies
     from app.rollout.engines.base import Sampling
     from app.rollout.episodes import play_episodes
 
-    _, _, trainer, engine, settings = gpu_setup
+    cfg, _, trainer, engine, settings = gpu_setup
     on_gpu = trainer.lora_tensors(on_device=True)
     assert {t.device.type for t in on_gpu.values()} == {"cuda"}
     host = trainer.lora_tensors()
@@ -131,7 +131,7 @@ def test_sync_from_gpu_through_one_pinned_buffer_is_exact(gpu_setup):
     engine.load_lora(host, 4)
     from_dict = play_episodes(engine, engine.codec, mazes, settings, greedy)
     engine.load_lora(packed, 5)
-    assert lora_checksum(engine.lora_state()) == lora_checksum(host)
+    assert lora_checksum(engine.lora_state()) == held_checksum(host, cfg.lora, "bfloat16")  # asked of the worker
     assert [t.actions for t in play_episodes(engine, engine.codec, mazes, settings, greedy)] == [
         t.actions for t in from_dict
     ]

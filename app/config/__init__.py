@@ -33,6 +33,7 @@ from app.config.schema import (
     SftConfig,
     TinyModelShape,
     TrainConfig,
+    WaitConfig,
 )
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "SftConfig",
     "TinyModelShape",
     "TrainConfig",
+    "WaitConfig",
     "absolute_paths",
     "apply_override",
     "check_combinations",
@@ -88,7 +90,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), check
             raise ConfigError(
                 "<config file>", f"{p} holds a {type(loaded).__name__}, not a mapping", "write key: value pairs"
             )
-        raw = loaded or {}
+        if loaded is None:  # empty, or only comments: a file that says nothing is a mistake, not "the defaults"
+            raise ConfigError(
+                "<config file>",
+                f"{p} is empty",
+                "write the run's settings in it (configs/tiny.yaml is a start), or write {} to mean every default",
+            )
+        raw = loaded
     for item in overrides:
         apply_override(raw, item)
     cfg = from_dict(Config, raw, "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from app.config.adapter_init import check_adapter_init
 from app.config.knobs import ConfigError
 from app.config.schema import LANGUAGE_MODEL_PROJECTIONS, Config
 
@@ -16,6 +17,39 @@ from app.config.schema import LANGUAGE_MODEL_PROJECTIONS, Config
 def min_maze_turns(size: int) -> int:
     """Fewest turns any maze of this size needs: the corner-to-corner Manhattan distance plus the stop."""
     return 2 * (size - 3) + 1
+
+
+def check_sampled_policy_is_trained(cfg: Config) -> None:
+    """The policy the engines sample must be the one the trainer trains and scores (DESIGN rule 4)."""
+    if cfg.lora.dropout > 0:
+        raise ConfigError(
+            "lora.dropout",
+            f"it is {cfg.lora.dropout}: the trainer would train a policy with dropout while the engines sample "
+            "without it (vLLM applies none)",
+            "set lora.dropout=0",
+        )
+    if cfg.rollout.top_p < 1:
+        raise ConfigError(
+            "rollout.top_p",
+            f"it is {cfg.rollout.top_p}: the engine renormalises over the nucleus, while the trainer scores each "
+            "sampled token under the whole distribution, so the two log-probabilities would disagree",
+            "set rollout.top_p=1 (temperature is the knob for how greedy rollouts are)",
+        )
+    if cfg.train.kl_coef > 0 and (cfg.model.adapter_init or cfg.sft.steps):
+        raise ConfigError(
+            "train.kl_coef",
+            "the KL reference is the model with the adapter disabled, the base before the warm start, not the "
+            "policy the run starts from (model.adapter_init / sft.steps)",
+            "set train.kl_coef=0 (train.max_update_kl bounds how far a step moves the policy instead)",
+        )
+    url = cfg.checkpoint.s3_endpoint_url
+    if url and "@" in url.partition("://")[2].split("/")[0]:
+        raise ConfigError(
+            "checkpoint.s3_endpoint_url",
+            "it carries credentials (user:password@host); the config is printed and saved with every checkpoint",
+            "give the endpoint as scheme://host:port and the keys through AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or ~/.aws)",
+        )
 
 
 def check_combinations(cfg: Config, check_paths: bool = True) -> None:
@@ -72,6 +106,7 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
                 f"lower it to {share / p.rollouts_per_bundle:.3g} or less (it is the memory "
                 "an engine needs free at its start; kv_cache_gb is what it takes)",
             )
+    check_sampled_policy_is_trained(cfg)
     if t.advantage == "grpo" and r.n_samples_per_prompt < 2:
         raise ConfigError(
             "rollout.n_samples_per_prompt",
@@ -146,6 +181,8 @@ def _check_paths(cfg: Config) -> None:
             f"{m.adapter_init} has no adapter_config.json",
             "point it at a PEFT adapter folder (e.g. one written by scripts/sft.py)",
         )
+    if m.adapter_init is not None:
+        check_adapter_init(m.adapter_init, cfg.lora)
     if c.resume_mode == "path" and not c.resume_path.startswith("s3://") and not Path(c.resume_path).exists():
         raise ConfigError(
             "checkpoint.resume_path", f"{c.resume_path} does not exist", "give an existing checkpoint folder"

@@ -45,7 +45,9 @@ class ModelConfig:
 class LoraSettings:
     rank: int = knob(32, "LoRA rank r", ge=1, le=512)
     alpha: int = knob(64, "LoRA alpha; the update is scaled by alpha / rank", ge=1)
-    dropout: float = knob(0.0, "LoRA dropout", ge=0.0, lt=1.0)
+    dropout: float = knob(
+        0.0, "LoRA dropout; must be 0: the engines sample without it (kept for the adapter format)", ge=0.0, lt=1.0
+    )
     target_modules: list[str] = knob(
         LANGUAGE_MODEL_PROJECTIONS, "module names that get LoRA; language-model projections only"
     )
@@ -68,7 +70,12 @@ class RolloutConfig:
     n_samples_per_prompt: int = knob(8, "episodes per maze in a GRPO group", ge=1)
     max_turns: int = knob(15, "actions per episode, the final stop included", ge=1)
     temperature: float = knob(1.0, "sampling temperature of training rollouts", gt=0.0, le=4.0)
-    top_p: float = knob(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
+    top_p: float = knob(
+        1.0,
+        "nucleus sampling mass; must be 1 for training rollouts (the trainer scores the whole distribution)",
+        gt=0.0,
+        le=1.0,
+    )
     max_new_tokens: int = knob(32, "token budget of one reply", ge=1, le=4096)
     gpu_memory_utilization: float = knob(0.45, "share of a GPU's memory a vLLM engine may take", gt=0.0, le=0.95)
     sleep_level: Literal[0, 1] = knob(
@@ -123,7 +130,11 @@ class TrainConfig:
     update_epochs: int = knob(1, "optimizer passes over each step's batch", ge=1)
     clip_low: float = knob(0.2, "PPO ratio clip below 1", ge=0.0, lt=1.0)
     clip_high: float = knob(0.2, "PPO ratio clip above 1", ge=0.0)
-    kl_coef: float = knob(0.0, "weight of the KL to the reference (adapter disabled); 0 skips that forward", ge=0.0)
+    kl_coef: float = knob(
+        0.0,
+        "weight of the KL to the reference (adapter disabled: the base, so not with a warm start); 0 skips it",
+        ge=0.0,
+    )
     advantage: Literal["grpo", "drgrpo"] = knob("grpo", "grpo divides by the group std, drgrpo does not")
     drop_zero_variance_groups: bool = knob(
         False,
@@ -259,13 +270,46 @@ class CheckpointConfig:
     ckpt_path: str = knob("", "folder of full training checkpoints; empty means <run dir>/checkpoints")
     ckpt_interval: int = knob(20, "write a full checkpoint every this many steps; 0 never", ge=0)
     hf_save_interval: int = knob(20, "export a PEFT adapter every this many steps; 0 never", ge=0)
-    resume_mode: Literal["latest", "none", "path"] = knob("latest", "latest complete checkpoint, none, or resume_path")
+    resume_mode: Literal["latest", "none", "path"] = knob(
+        "latest",
+        "where the run starts: the latest complete checkpoint, none, or resume_path (a recovery "
+        "resumes from the run's own newest checkpoint)",
+    )
     resume_path: str | None = knob(None, "checkpoint folder to resume from when resume_mode is 'path'")
     export_dir: str = knob("", "folder of exported adapters; empty means <run dir>/export")
     s3_uri: str | None = knob(None, "s3://bucket/prefix that also receives adapters and checkpoints")
     s3_endpoint_url: str | None = knob(None, "endpoint of an S3-compatible store; none uses AWS")
     keep_last: int = knob(3, "full checkpoints kept on disk; older ones are deleted", ge=1)
     max_failures: int = knob(3, "actor or node losses the driver recovers from before giving up", ge=0)
+
+
+@dataclass
+class WaitConfig:
+    actor_start_s: float = knob(
+        900.0,
+        "how long the actors may take to be scheduled and ready (engines started, "
+        "trainer ranks joined) before the start is a stall",
+        gt=0.0,
+    )
+    collective_s: float = knob(
+        600.0,
+        "how long a trainer rank waits in a collective, or for the process group to "
+        "form, before it fails: bounds how long surviving ranks wait for a lost one",
+        gt=0.0,
+    )
+    phase_s: float = knob(
+        3600.0,
+        "the longest one phase of a step (rollout, train, sync, eval, checkpoint) may take "
+        "before it is a stall, handled like a lost actor",
+        gt=0.0,
+    )
+    stall_factor: float = knob(
+        5.0,
+        "a phase past this many times its median so far is a stall too (after 3 of them); 0 leaves only phase_s",
+        ge=0.0,
+    )
+    stall_floor_s: float = knob(120.0, "the shortest bound stall_factor may set (short phases vary a lot)", gt=0.0)
+    report_every_s: float = knob(10.0, "while the driver waits, a log line this often: what, on whom, how long", gt=0.0)
 
 
 @dataclass
@@ -288,6 +332,7 @@ class Config:
     eval: EvalConfig = knob(EvalConfig(), "the held-out evaluation")
     checkpoint: CheckpointConfig = knob(CheckpointConfig(), "adapters, checkpoints, resume")
     metrics: MetricsConfig = knob(MetricsConfig(), "metrics and progress")
+    waits: WaitConfig = knob(WaitConfig(), "bounds on every wait of the driver (docs/OPERATING.md, Waits)")
 
     @property
     def run_dir(self) -> Path:

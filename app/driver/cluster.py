@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -20,9 +22,13 @@ from actors.evaluator import EvaluatorActor
 from actors.rollout import RolloutActor
 from actors.trainer import TrainerActor
 from app.config import Config
+from app.driver.preflight import model_cache
+from app.driver.waits import Waits
 from app.model.adapters import AdapterSpec
 from app.model.build import ensure_model
 from placement import plan as placement
+
+log = logging.getLogger("mazerl")
 
 
 @dataclass
@@ -32,6 +38,20 @@ class Actors:
     trainers: list
     evaluator: object
     consolidator: object
+    nodes: dict = field(default_factory=dict)  # actor name -> the node it runs on
+
+    def label(self, name: str) -> str:
+        """How a wait names an actor: with its node, so that a stall says where to look."""
+        node = self.nodes.get(name)
+        return f"{name} (node {node[:8]})" if node else name
+
+    @property
+    def trainer_names(self) -> list[str]:
+        return [self.label(f"trainer-{r}") for r in range(len(self.trainers))]
+
+    @property
+    def rollout_names(self) -> list[str]:
+        return [self.label(f"rollout-{i}") for i in range(len(self.rollouts))]
 
 
 def connect_ray(cfg: Config):
@@ -65,55 +85,83 @@ def recoverable_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def model_cache(cfg: Config) -> str:
-    return str(Path(cfg.output_dir) / ".models")
-
-
 def adapter_spec(cfg: Config):
 
     config = AutoConfig.from_pretrained(str(ensure_model(cfg.model, model_cache(cfg))))
     return AdapterSpec.for_model(config.text_config, cfg.lora)
 
 
-def spawn(cfg: Config, plan: placement.Plan) -> Actors:
-    """The placement group and every named actor, ready (trainer ranks joined, engines started)."""
+def spawn(cfg: Config, plan: placement.Plan, waits: Waits) -> Actors:
+    """The placement group and every named actor, ready (trainer ranks joined, engines started), each wait bounded.
 
-    cache = model_cache(cfg)
-    spec = adapter_spec(cfg)
-    pg = placement.create_placement_group(plan, cfg.placement.wait_for_resources_s, name=f"mazerl-{cfg.run_name}")
-    n = plan.num_pairs
-    rollouts = [
-        RolloutActor.options(name=f"rollout-{i}", **placement.rollout_options(plan, pg, i)).remote(cfg, i, cache)
-        for i in range(plan.num_rollouts)
-    ]
-    trainers = [
-        TrainerActor.options(name=f"trainer-{r}", **placement.trainer_options(plan, pg, r)).remote(cfg, r, n, cache)
-        for r in range(n)
-    ]
-    evaluator = EvaluatorActor.options(name="evaluator", **placement.evaluator_options(plan)).remote(
-        cfg, rollouts, str(Path(cfg.output_dir) / cfg.run_name / "eval")
-    )
+    The head's actors come first: they take their share of the head before the placement group can (PACK would
+    otherwise fill a CPU-only head with a bundle and leave the consolidator nowhere to go), so the cluster holds
+    what `--plan --cluster` prints."""
+    cache, spec = model_cache(cfg), adapter_spec(cfg)
+    resources = ray.cluster_resources()
+    placement.check_nodes(plan, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+    bound = cfg.waits.actor_start_s
     consolidator = ConsolidatorActor.options(
-        name="consolidator", **placement.consolidator_options(plan, ray.cluster_resources())
+        name="consolidator", **placement.consolidator_options(plan, resources)
     ).remote(cfg, spec)
-    actors = Actors(pg, rollouts, trainers, evaluator, consolidator)
+    evaluator = EvaluatorActor.options(name="evaluator", **placement.evaluator_options(plan, resources)).remote(
+        cfg, str(Path(cfg.output_dir) / cfg.run_name / "eval")
+    )
+    actors = Actors(None, [], [], evaluator, consolidator)
     try:
-        addr, port = ray.get(trainers[0].rendezvous_address.remote())
-        ray.get(
-            [t.setup.remote(addr, port) for t in trainers]
-            + [r.ready.remote() for r in rollouts]
-            + [consolidator.node_id.remote()]
+        head = waits.gather(
+            [consolidator.node_id.remote(), evaluator.node_id.remote()],
+            "start: the head node's actors",
+            [
+                placement.on_head("consolidator", plan.consolidator_cpus),
+                placement.on_head("evaluator", plan.evaluator_cpus),
+            ],
+            bound_s=bound,
+        )
+        actors.pg = placement.create_placement_group(
+            plan, cfg.placement.wait_for_resources_s, f"mazerl-{cfg.run_name}", cfg.waits.report_every_s
+        )
+        actors.rollouts = [
+            RolloutActor.options(name=f"rollout-{i}", **placement.rollout_options(plan, actors.pg, i)).remote(
+                cfg, i, cache
+            )
+            for i in range(plan.num_rollouts)
+        ]
+        actors.trainers = [
+            TrainerActor.options(name=f"trainer-{r}", **placement.trainer_options(plan, actors.pg, r)).remote(
+                cfg, r, plan.num_pairs, cache
+            )
+            for r in range(plan.num_pairs)
+        ]
+        addr, port = waits.one(actors.trainers[0].rendezvous_address.remote(), "start: rendezvous", "trainer-0", bound)
+        started = waits.gather(
+            [t.setup.remote(addr, port) for t in actors.trainers] + [r.ready.remote() for r in actors.rollouts],
+            "start: trainer ranks joining, engines starting",
+            [f"trainer-{r}" for r in range(plan.num_pairs)] + [f"rollout-{i}" for i in range(plan.num_rollouts)],
+            bound_s=bound,
         )
     except BaseException:
         shutdown(actors)
         raise
+    names = ["consolidator", "evaluator"] + [f"trainer-{r}" for r in range(plan.num_pairs)]
+    names += [f"rollout-{i}" for i in range(plan.num_rollouts)]
+    actors.nodes = dict(zip(names, head + [s["node"] for s in started]))
+    write_placement(cfg, actors.nodes)
     return actors
 
 
-def shutdown(actors: Actors) -> None:
+def write_placement(cfg: Config, nodes: dict[str, str]) -> None:
+    """<run dir>/placement.json: which node each actor landed on (node ids as the Ray Dashboard shows them)."""
+    run_dir = Path(cfg.output_dir) / cfg.run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "placement.json").write_text(json.dumps(nodes, indent=1))
+    log.info("actors placed: %s", ", ".join(f"{a} on {n[:8]}" for a, n in nodes.items()))
 
+
+def shutdown(actors: Actors) -> None:
     for a in actors.rollouts + actors.trainers + [actors.evaluator, actors.consolidator]:
         with contextlib.suppress(Exception):
             ray.kill(a)
-    with contextlib.suppress(Exception):
-        ray.util.remove_placement_group(actors.pg)
+    if actors.pg is not None:
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(actors.pg)

@@ -8,14 +8,17 @@ adapters stay in the object store.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-
-import ray
 
 from app.config import Config, TrainConfig
 from app.driver.cluster import Actors
+from app.driver.waits import Waits
 from app.learning.grpo import informative_groups
 from app.rollout.engines import Sampling
+from app.rollout.engines.base import derive_seed
+
+log = logging.getLogger("mazerl")
 
 
 @contextlib.contextmanager
@@ -25,29 +28,30 @@ def timed(times: dict, phase: str):
     times[f"time_{phase}_s"] = time.perf_counter() - start
 
 
-def rollout_phase(actors: Actors, mazes, cfg: Config, step: int, round_: int = 0):
+def rollout_seed(train_seed: int, step: int, round_: int, actor: int) -> int:
+    """The seed rollout actor `actor` samples round `round_` of `step` with: every (step, round, actor, turn,
+    request) of a run draws from its own seed (app.rollout.engines.base.derive_seed)."""
+    return derive_seed(train_seed, step, round_, actor)
+
+
+def rollout_phase(actors: Actors, mazes, cfg: Config, step: int, round_: int, waits: Waits):
     """Each rollout actor plays whole maze groups; returns (summaries, trajectory refs).
 
     Round r of a step numbers its groups from r x len(mazes), so groups of different rounds never merge."""
-
-    seed = cfg.train.seed * 1_000_003 + step * 7_919 + round_ * 104_729
     shares = [[] for _ in actors.rollouts]
     for group, maze in enumerate(mazes, start=round_ * len(mazes)):
         shares[group % len(shares)].append((maze, group))  # the maze itself: its start may not be the seed's
-    # each actor its own seeds: an engine seeds request i with seed + i, so actors sharing one would draw the same
-    # random numbers for their i-th runs (the offset is past any one actor's requests x turns)
+    r = cfg.rollout
+    playing = [k for k, share in enumerate(shares) if share]
     refs = [
-        a.play.remote(
-            share,
-            cfg.rollout.n_samples_per_prompt,
-            Sampling(
-                cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, seed=seed + k * 15_485_863
-            ),
+        actors.rollouts[k].play.remote(
+            shares[k],
+            r.n_samples_per_prompt,
+            Sampling(r.max_new_tokens, r.temperature, r.top_p, seed=rollout_seed(cfg.train.seed, step, round_, k)),
         )
-        for k, (a, share) in enumerate(zip(actors.rollouts, shares))
-        if share
+        for k in playing
     ]
-    summaries = ray.get([s for s, _ in refs])
+    summaries = waits.gather([s for s, _ in refs], "rollout", [actors.rollout_names[k] for k in playing])
     return summaries, [t for _, t in refs]
 
 
@@ -67,11 +71,64 @@ def sampling_phase(play_round, sampler, train: TrainConfig):
     return summaries, refs, {"rollout_rounds": rounds, "rollout_informative_groups": informative_groups(summaries)}
 
 
-def sync_lora(actors: Actors, lora_ref, version: int) -> None:
+def sync_lora(actors: Actors, lora_ref, version: int, waits: Waits) -> None:
     """Every rollout actor loads rank 0's adapter from the object store (no file), then wakes."""
+    names = actors.rollout_names
+    waits.gather([a.load_lora.remote(lora_ref, version) for a in actors.rollouts], "sync", names)
+    waits.gather([a.wake.remote() for a in actors.rollouts], "sync", names)
 
-    ray.get([a.load_lora.remote(lora_ref, version) for a in actors.rollouts])
-    ray.get([a.wake.remote() for a in actors.rollouts])
+
+def sleep_engines(actors: Actors, waits: Waits) -> None:
+    """The engines free their KV cache (and on a GPU their weights) so the colocated trainer has the memory."""
+    waits.gather([a.sleep.remote() for a in actors.rollouts], "sleep", actors.rollout_names)
+
+
+def train_phase(actors: Actors, trajectory_refs: list, step: int, waits: Waits):
+    """One GRPO update on every trainer rank; returns (rank 0's metrics, a ref of rank 0's new adapter)."""
+    results = [t.step.remote(trajectory_refs, step) for t in actors.trainers]
+    metrics = waits.gather([m for m, _ in results], "train", actors.trainer_names)[0]
+    return metrics, results[0][1]
+
+
+def warm_start_step(actors: Actors, seeds: list[int], lr: float, waits: Waits) -> dict:
+    """One supervised warm-start step on these training mazes, on every rank; rank 0's metrics."""
+    done = waits.gather([t.sft_step.remote(seeds, lr) for t in actors.trainers], "sft", actors.trainer_names)
+    return done[0]
+
+
+def evaluate(actors: Actors, step: int, waits: Waits) -> dict:
+    """The held-out mazes played greedily through the rollout actors; the evaluator's summary, `eval_` prefixed."""
+    ref = actors.evaluator.evaluate.remote(step, actors.rollouts)
+    return prefixed("eval", waits.one(ref, "eval", actors.label("evaluator")))
+
+
+def export_adapter(actors: Actors, step: int, lora_ref, waits: Waits) -> dict:
+    ref = actors.consolidator.export_adapter.remote(step, lora_ref)
+    return waits.one(ref, "checkpoint", actors.label("consolidator"))
+
+
+def write_checkpoint(actors: Actors, step: int, json_state, waits: Waits) -> dict:
+    """The full training state (rank 0's adapter, optimizer, RNG and json_state(trainer state)), committed by the
+    consolidator; returns its report."""
+    adapter, optimizer, rng, trainer_state = zip(*[t.checkpoint_state.remote() for t in actors.trainers])
+    trainer_json = waits.gather(trainer_state, "checkpoint", actors.trainer_names)[0]
+    ref = actors.consolidator.save_checkpoint.remote(step, adapter[0], optimizer[0], rng[0], json_state(trainer_json))
+    return waits.one(ref, "checkpoint", actors.label("consolidator"))
+
+
+def flush_replicas(actors: Actors, waits: Waits) -> dict:
+    """At the end of a run: the S3 copies of its checkpoints and exports made (bounded by waits.phase_s)."""
+    bound = waits.cfg.phase_s
+    status = waits.one(actors.consolidator.flush.remote(bound), "checkpoint", actors.label("consolidator"), bound + 60)
+    if status["replica_pending"]:
+        log.warning(
+            "%d S3 copies not made after %.0f s (%s); the shared directory holds every checkpoint, and the next "
+            "run's consolidator makes the newest copy first",
+            status["replica_pending"],
+            bound,
+            status["replica_last_error"],
+        )
+    return status
 
 
 def merge_rollout(summaries: list[dict], seconds: float) -> dict:
@@ -84,6 +141,7 @@ def merge_rollout(summaries: list[dict], seconds: float) -> dict:
             "turns_mean",
             "invalid_action_rate",
             "truncated_reply_rate",
+            "context_full_rate",
             "context_tokens_mean",
         )
     }

@@ -30,7 +30,7 @@ from app.learning.speedups.vision_cache import VisionCache
 from app.learning.step_advantages import advantages_for
 from app.learning.trust_region import bounded_step
 from app.model import adapters
-from app.model.load import apply_lora, load_model, load_processor
+from app.model.load import apply_lora, load_model, load_processor, train_without_dropout
 from app.rollout.encoding import ChatCodec
 from app.rollout.trajectory import Trajectory
 
@@ -53,6 +53,7 @@ class PolicyTrainer:
             base.enable_input_require_grads()
         torch.manual_seed(cfg.train.seed)  # every rank must initialise the same LoRA before sharding
         self.model = apply_lora(base, cfg.lora, cfg.model.adapter_init)
+        train_without_dropout(self.model)
         if train_base:
             if self.distributed:
                 raise ValueError("full-model SFT runs in one process; train_base with a process group is not supported")
@@ -104,7 +105,9 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------ the update
     def train_step(self, trajectories: list[Trajectory]) -> dict:
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         cfg = self.cfg.train
         result, steps = advantages_for(cfg, trajectories)
         everything = build_items(trajectories, result, steps, cfg.step_advantage_weight)
@@ -174,7 +177,7 @@ class PolicyTrainer:
                             float((entropy.detach().cpu() * mask.cpu()).sum()),
                             float(diff.sum()),
                             0.0,
-                            terms.loss.item() * self.world,
+                            terms.loss.item(),
                         ],
                         dtype=torch.float64,
                     )
@@ -207,6 +210,9 @@ class PolicyTrainer:
                 step_anchored_turn_share=steps.anchored_turns / turns,
             )
         metrics["forward_tokens"] = forward_tokens * cfg.update_epochs  # every position, every pass (for MFU)
+        metrics["started_at"] = started_at
+        if self.device.type == "cuda":  # what this rank's step needed at most, the allocator's cache included
+            metrics["peak_memory_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         if bound is not None:
             metrics.update(
                 step_kl=bound.kl, update_scale=bound.scale, update_halvings=bound.halvings, passes_done=epoch + 1

@@ -108,6 +108,27 @@ def expected_shapes(text_config, rank: int, target_modules) -> dict[str, tuple[i
     return shapes
 
 
+def held_name(peft_name: str) -> str:
+    """`...language_model.layers.3.mlp.up_proj.lora_B.weight` -> `layers.3.mlp.up_proj.lora_B`: a projection's name
+    that PEFT and vLLM (which renames modules and stacks q/k/v) can both be brought to."""
+    stem = peft_name[peft_name.index("layers.") :]
+    return stem[: -len(".weight")] if stem.endswith(".weight") else stem
+
+
+def held_form(tensors: dict[str, torch.Tensor], rank: int, alpha: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """An adapter as an engine holds it, for checking one against the other bit for bit: `held_name`s, the
+    engine's dtype, and lora_B multiplied by alpha / r in that dtype (vLLM merges the scale into lora_B when it
+    loads an adapter, with this same operation)."""
+    scaling = alpha / rank
+    out = {}
+    for name, tensor in normalize_keys(tensors).items():
+        held = tensor.detach().to("cpu", dtype, copy=True)
+        if ".lora_B" in name and scaling != 1:
+            held *= scaling
+        out[held_name(name)] = held.contiguous()
+    return out
+
+
 def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """PEFT saved names: no adapter name (`.default`), no FSDP/checkpoint wrapper segments."""
     out = {}

@@ -75,11 +75,18 @@ def shape_key(shape: TinyModelShape) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def model_folder(model_cfg: ModelConfig, cache_root: str | os.PathLike) -> Path:
+    """Where the policy's base model is (or will be once `ensure_model` built it), creating nothing."""
+    if model_cfg.path != "tiny":
+        return Path(model_cfg.path)
+    return Path(cache_root) / f"tiny-qwen3vl-{shape_key(model_cfg.tiny)}"
+
+
 def ensure_model(model_cfg: ModelConfig, cache_root: str | os.PathLike) -> Path:
     """The folder of the policy's base model: `model.path` itself, or the tiny model built under cache_root."""
     if model_cfg.path != "tiny":
         return Path(model_cfg.path)
-    out = Path(cache_root) / f"tiny-qwen3vl-{shape_key(model_cfg.tiny)}"
+    out = model_folder(model_cfg, cache_root)
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ import os
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from torch import nn
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
 from app.config import LoraSettings
@@ -79,3 +80,17 @@ def lora_state_dict(peft_model) -> dict[str, torch.Tensor]:
     """The adapter's tensors under PEFT's saved names (`...lora_A.weight`, no adapter name), detached CPU copies."""
 
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+def train_without_dropout(model) -> int:
+    """Training mode (transformers checkpoints activations only in it) with every dropout at 0: the engines sample
+    without dropout, so the policy the trainer scores and trains must not drop anything either. Returns how many
+    dropouts were switched off (a LoRA's, or attention's from the model config)."""
+    model.train()
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            module.p, switched = 0.0, switched + 1
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
+            module.attention_dropout, switched = 0.0, switched + 1
+    return switched

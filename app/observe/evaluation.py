@@ -28,6 +28,7 @@ def eval_report(trajectories: list[Trajectory], max_turns: int) -> dict:
         "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(turns, 1),
         "stopped_off_goal": sum(t.outcome == "stopped_off_goal" for t in trajectories),
         "out_of_turns": sum(t.outcome == "out_of_turns" for t in trajectories),
+        "context_full": sum(t.outcome == "context_full" for t in trajectories),
         "max_turns": max_turns,
         "lora_version": max((t.lora_version for t in trajectories), default=-1),
         "mazes": [

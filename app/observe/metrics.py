@@ -46,10 +46,14 @@ EXPORTED = {
     "train_step_anchored_turn_share": "share of training turns compared with other turns from the same cell "
     "(train.step_advantage_weight > 0)",
     "train_grad_norm": "global gradient norm before clipping",
+    "train_peak_memory_gb": "a trainer rank's peak GPU memory in the step (PyTorch's reserved memory), GiB",
     "train_logprob_mismatch_mean": "mean |trainer - rollout| logprob on sampled tokens",
     "rollout_generated_tokens_per_s": "generated tokens per second in the rollout phase",
     "rollout_turns_mean": "mean turns of the step's training episodes",
     "rollout_invalid_action_rate": "share of training turns whose action was invalid (unparsed or into a wall)",
+    "rollout_context_full_rate": "share of the step's training episodes ended because the context would pass "
+    "rollout.max_model_len (reward 0)",
+    "eval_context_full": "held-out episodes ended because the context would pass rollout.max_model_len",
     "eval_solve_rate_of_solvable": "held-out solve rate among mazes solvable within max_turns",
     "eval_mean_turns": "mean turns of held-out episodes",
     "eval_invalid_action_rate": "share of held-out turns whose action was invalid",
@@ -65,7 +69,9 @@ EXPORTED = {
     "time_step_s": "whole step duration",
     "lora_version": "adapter version the rollout engines hold",
     "recoveries": "actor or node losses recovered from",
+    "stalls": "waits of the driver that ran past their bound (waits.*), each answered like a lost actor",
     "checkpoint_age_steps": "steps since the last complete checkpoint",
+    "replica_pending": "checkpoints and adapters committed to the shared directory whose S3 copy is not made yet",
     "step": "the step number",
 }
 

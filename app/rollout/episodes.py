@@ -17,7 +17,7 @@ from app.rollout.encoding import ChatCodec, Segment, as_image, image_to_png
 from app.rollout.engines.base import Engine, Prompt, Sampling
 from app.rollout.trajectory import Trajectory, build_sequence
 from app.world import dialogue
-from app.world.episode import INVALID_ACTION_FEEDBACK, OUT_OF_TURNS_SUFFIX, MazeEpisode, wall_feedback
+from app.world.episode import CONTEXT_FULL, INVALID_ACTION_FEEDBACK, OUT_OF_TURNS_SUFFIX, MazeEpisode, wall_feedback
 from app.world.maze import DIRECTION_NAMES, Cell, Maze, generate_maze
 from app.world.render import render
 from app.world.rules import EpisodeSettings
@@ -124,6 +124,17 @@ class RunningEpisode:
         if any(seg.generated for seg in view[first:]):
             self.sequences.append(build_sequence(view, first, offsets))
 
+    def end_for_context(self) -> None:
+        """The next prompt would not fit max_model_len: the episode ends here (outcome context_full, reward 0).
+        The observation that did not fit leaves the history, so every sequence ends with a reply that fit."""
+        if len(self.history) > 1 and not self.history[-1].generated:
+            unseen = self.history.pop()
+            if unseen.images:
+                self.image_count -= 1
+                del self.pngs[-len(unseen.images) :], self.picture_ids[-len(unseen.images) :]
+        self.env.cut_short(CONTEXT_FULL)
+        self._close_sequence()
+
     def advance(self, ids: list[int], logprobs: list[float], finish_reason: str, trained: bool = True) -> None:
         """trained=False: the reply is context only, never a training target (SFT's injected random moves)."""
         codec = self.codec
@@ -188,19 +199,16 @@ def play_episodes(
     active = list(range(len(running)))
     turn = 0
     while active:
-        turn_sampling = (
-            sampling
-            if sampling.seed is None
-            else Sampling(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed + 7919 * turn)
-        )
-        prompts = [running[i].prompt() for i in active]
-        for p in prompts:
+        turn_sampling = sampling.for_turn(turn)
+        prompts = {i: running[i].prompt() for i in active}
+        for i, p in list(prompts.items()):  # a reply must fit too: the engine refuses a prompt it cannot finish
             if len(p.token_ids) + sampling.max_new_tokens > settings.max_model_len:
-                raise ValueError(
-                    f"an episode's context reached {len(p.token_ids)} tokens, over "
-                    f"rollout.max_model_len {settings.max_model_len} minus max_new_tokens"
-                )
-        generations = engine.generate(prompts, turn_sampling)
+                running[i].end_for_context()
+                del prompts[i]
+        active = list(prompts)
+        if not active:
+            break
+        generations = engine.generate(list(prompts.values()), turn_sampling)
         for i, gen in zip(active, generations):
             running[i].advance(gen.token_ids, gen.logprobs, gen.finish_reason)
         active = [i for i in active if not running[i].env.done]

@@ -103,6 +103,7 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
         "solve_rate": outcomes.count("solved") / n,
         "stopped_off_goal_rate": outcomes.count("stopped_off_goal") / n,
         "out_of_turns_rate": outcomes.count("out_of_turns") / n,
+        "context_full_rate": outcomes.count("context_full") / n,
         "turns_mean": turns / n,
         "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(turns, 1),
         "truncated_reply_rate": sum(t.truncated_replies for t in trajectories) / max(turns, 1),

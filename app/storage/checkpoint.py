@@ -201,7 +201,7 @@ def prune(store: Store, keep_last: int, current: str) -> None:
 # ---------------------------------------------------------------- reading
 
 
-def _read_manifest(store: Store, name: str) -> dict:
+def read_manifest(store: Store, name: str) -> dict:
     try:
         raw = store.get_bytes(f"{name}/{MANIFEST}")
     except FileNotFoundError:
@@ -228,7 +228,7 @@ def _read_manifest(store: Store, name: str) -> dict:
     return manifest
 
 
-def _check_files(manifest: dict, open_file: Callable[[str], BinaryIO]) -> None:
+def check_files(manifest: dict, open_file: Callable[[str], BinaryIO]) -> None:
     for fname, expected in sorted(manifest["files"].items()):
         try:
             with open_file(fname) as f:
@@ -271,8 +271,8 @@ def find_latest(store_or_root: Store | str) -> CheckpointInfo | None:
     store = open_store(store_or_root)
     for name in _candidates(store):
         try:
-            manifest = _read_manifest(store, name)
-            _check_files(manifest, lambda fname: store.open_read(f"{name}/{fname}"))
+            manifest = read_manifest(store, name)
+            check_files(manifest, lambda fname: store.open_read(f"{name}/{fname}"))
         except CheckpointCorrupt as e:
             log.warning("skipping checkpoint %s: %s", store.uri(name), e)
             continue
@@ -281,7 +281,7 @@ def find_latest(store_or_root: Store | str) -> CheckpointInfo | None:
 
 
 @contextmanager
-def _local_copies(store: Store, name: str, fnames: Iterable[str]) -> Iterator[dict[str, Path]]:
+def local_copies(store: Store, name: str, fnames: Iterable[str]) -> Iterator[dict[str, Path]]:
     """The folder's files on this machine: in place for a local store, else downloaded to a temp dir."""
     if store.local_path(name) is not None:
         yield {f: store.local_path(f"{name}/{f}") for f in fnames}
@@ -292,20 +292,20 @@ def _local_copies(store: Store, name: str, fnames: Iterable[str]) -> Iterator[di
             try:
                 store.get_file(f"{name}/{fname}", tmp / fname)
             except FileNotFoundError:
-                pass  # reported by _check_files, like a missing local file
+                pass  # reported by check_files, like a missing local file
             paths[fname] = tmp / fname
         yield paths
 
 
 def _load(store: Store, name: str) -> TrainingState:
 
-    manifest = _read_manifest(store, name)
+    manifest = read_manifest(store, name)
     missing = [f for f in FULL_FILES if f not in manifest["files"]]
     if missing:
         kind = manifest.get("kind", "?")
         raise CheckpointCorrupt(f"not a full training checkpoint (kind {kind!r}; lacks {', '.join(missing)})")
-    with _local_copies(store, name, manifest["files"]) as paths:
-        _check_files(manifest, lambda fname: open(paths[fname], "rb"))  # the very bytes that get loaded
+    with local_copies(store, name, manifest["files"]) as paths:
+        check_files(manifest, lambda fname: open(paths[fname], "rb"))  # the very bytes that get loaded
         try:
             state = json.loads(paths[STATE].read_text())
             if state["step"] != manifest["step"]:

@@ -17,6 +17,7 @@ from app.world.render import render
 SOLVED = "solved"
 STOPPED_OFF_GOAL = "stopped_off_goal"
 OUT_OF_TURNS = "out_of_turns"
+CONTEXT_FULL = "context_full"  # the conversation outgrew the model's context before the episode ended: reward 0
 
 INVALID_ACTION_FEEDBACK = "That is not a valid action, so nothing happened."
 SOLVED_FEEDBACK = "You stopped on the goal. The maze is solved."
@@ -101,6 +102,11 @@ class MazeEpisode:
             return SOLVED_FEEDBACK
         self._finish(STOPPED_OFF_GOAL, 0.0)
         return STOPPED_OFF_GOAL_FEEDBACK
+
+    def cut_short(self, outcome: str = CONTEXT_FULL) -> None:
+        """Ends the episode from outside the maze (the context is full): no reward, whatever the position."""
+        if not self.done:
+            self._finish(outcome, 0.0)
 
     def _finish(self, outcome: str, reward: float) -> None:
         self.done = True

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    from app.driver.cluster import model_cache
+    from app.driver.preflight import model_cache
     from app.learning import grpo
     from app.learning.batch import build_items
     from app.learning.sft import export_full_model, perception_example

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib.machinery
 import importlib.util
+import json
 import math
 import typing
 from pathlib import Path
@@ -444,7 +445,8 @@ def test_existing_paths_pass(tmp_path: Path) -> None:
     for folder in (model, adapter, ckpt):
         folder.mkdir()
     (model / "config.json").write_text("{}")
-    (adapter / "adapter_config.json").write_text("{}")
+    peft = {"r": 32, "lora_alpha": 64, "target_modules": LANGUAGE_MODEL_PROJECTIONS, "peft_type": "LORA"}
+    (adapter / "adapter_config.json").write_text(json.dumps(peft))
     cfg = load_config(
         None,
         [

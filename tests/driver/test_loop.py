@@ -125,37 +125,39 @@ def test_dynamic_sampling_plays_a_second_round_and_trains_on_both(ray_cluster, t
 def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_path):
     import ray
 
-    from actors.rollout import lora_checksum
+    from actors.rollout import held_checksum
     from app.config import absolute_paths
     from app.driver.cluster import shutdown, spawn
     from app.driver.phases import rollout_phase, sync_lora
+    from app.driver.waits import Waits
     from app.world.maze import generate_maze
     from app.world.sampler import MazeSampler
     from placement.plan import make_plan
 
     cfg = absolute_paths(tiny_config(f"output_dir={tmp_path}", *FAST))
-    actors = spawn(cfg, make_plan(cfg))
+    waits = Waits(cfg.waits)
+    actors = spawn(cfg, make_plan(cfg), waits)
     try:
         initial = [t.lora.remote() for t in actors.trainers][0]
-        sync_lora(actors, initial, 0)
+        sync_lora(actors, initial, 0, waits)
         sampler = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set())
         # a supervised step moves the adapter away from its init (a random policy earns no GRPO signal)
         ray.get([t.sft_step.remote([m.seed for m in sampler.next(2)], 1e-2) for t in actors.trainers])
         # groups from random cells (train.random_starts): the rollout actors play the maze they are handed, start
         # included
         moved = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set(), random_starts=1.0).next(2)
-        _, refs = rollout_phase(actors, moved, cfg, 1)
+        _, refs = rollout_phase(actors, moved, cfg, 1, 0, waits)
         played = [t for batch in ray.get(refs) for t in batch]
         assert {t.group for t in played} == {0, 1}
         assert all(t.optimal_moves == moved[t.group].shortest_path_length for t in played)
         assert any(t.optimal_moves != generate_maze(t.maze_seed, cfg.maze.size).shortest_path_length for t in played)
         results = [t.step.remote(refs, 1) for t in actors.trainers]
         ray.get([m for m, _ in results])
-        sync_lora(actors, results[0][1], 1)
-        rank0 = lora_checksum(ray.get(results[0][1]))
+        sync_lora(actors, results[0][1], 1, waits)
+        rank0 = held_checksum(ray.get(results[0][1]), cfg.lora)
         held = ray.get([a.lora_checksum.remote() for a in actors.rollouts])
         assert held == [rank0, rank0]
-        assert rank0 != lora_checksum(ray.get(initial))  # the update did change the adapter
+        assert rank0 != held_checksum(ray.get(initial), cfg.lora)  # the update did change the adapter
     finally:
         shutdown(actors)
 
@@ -166,22 +168,24 @@ def test_several_rollout_actors_a_bundle_play_their_shares_and_hold_rank0s_lora(
     a sync every one of them generates with rank 0's adapter."""
     import ray
 
-    from actors.rollout import lora_checksum
+    from actors.rollout import held_checksum
     from app.config import absolute_paths
     from app.driver.cluster import shutdown, spawn
     from app.driver.phases import rollout_phase, sync_lora
+    from app.driver.waits import Waits
     from app.world.sampler import MazeSampler
     from placement.plan import make_plan
 
     cfg = absolute_paths(tiny_config(f"output_dir={tmp_path}", *FAST, "placement.rollouts_per_bundle=2"))
     plan = make_plan(cfg)
     assert plan.num_rollouts == 4 and plan.num_pairs == 2
-    actors = spawn(cfg, plan)
+    waits = Waits(cfg.waits)
+    actors = spawn(cfg, plan, waits)
     try:
         assert len(actors.rollouts) == 4 and len(actors.trainers) == 2
-        sync_lora(actors, [t.lora.remote() for t in actors.trainers][0], 0)
+        sync_lora(actors, [t.lora.remote() for t in actors.trainers][0], 0, waits)
         maze = MazeSampler(cfg.train.seed, 8, cfg.maze.size, set()).next(1)[0]
-        _, refs = rollout_phase(actors, [maze] * 4, cfg, 1)  # group k goes to actor k: one maze, four actors
+        _, refs = rollout_phase(actors, [maze] * 4, cfg, 1, 0, waits)  # group k goes to actor k: one maze, four actors
         by_actor = ray.get(refs)
         assert [{t.group for t in batch} for batch in by_actor] == [{0}, {1}, {2}, {3}]
         replies = [tuple(tuple(t.replies) for t in batch) for batch in by_actor]
@@ -189,8 +193,8 @@ def test_several_rollout_actors_a_bundle_play_their_shares_and_hold_rank0s_lora(
         assert all(s["prompts"] > 0 for s in ray.get([a.stats.remote() for a in actors.rollouts]))
         results = [t.step.remote(refs, 1) for t in actors.trainers]
         ray.get([m for m, _ in results])
-        sync_lora(actors, results[0][1], 1)
-        rank0 = lora_checksum(ray.get(results[0][1]))
+        sync_lora(actors, results[0][1], 1, waits)
+        rank0 = held_checksum(ray.get(results[0][1]), cfg.lora)
         assert ray.get([a.lora_checksum.remote() for a in actors.rollouts]) == [rank0] * 4
     finally:
         shutdown(actors)
@@ -207,6 +211,7 @@ def test_bounded_steps_on_two_fsdp_ranks_fit_the_bound_in_lockstep(ray_cluster, 
     from app.config import absolute_paths
     from app.driver.cluster import shutdown, spawn
     from app.driver.phases import rollout_phase, sync_lora
+    from app.driver.waits import Waits
     from app.world.sampler import MazeSampler
     from placement.plan import make_plan
 
@@ -216,11 +221,12 @@ def test_bounded_steps_on_two_fsdp_ranks_fit_the_bound_in_lockstep(ray_cluster, 
             f"output_dir={tmp_path}", *FAST, "train.update_epochs=2", "train.lr=0.05", f"train.max_update_kl={bound}"
         )
     )
-    actors = spawn(cfg, make_plan(cfg))
+    waits = Waits(cfg.waits)
+    actors = spawn(cfg, make_plan(cfg), waits)
     try:
         initial = [t.lora.remote() for t in actors.trainers][0]  # a collective: every rank is called at once
-        sync_lora(actors, initial, 0)
-        _, refs = rollout_phase(actors, MazeSampler(cfg.train.seed, 8, cfg.maze.size, set()).next(2), cfg, 1)
+        sync_lora(actors, initial, 0, waits)
+        _, refs = rollout_phase(actors, MazeSampler(cfg.train.seed, 8, cfg.maze.size, set()).next(2), cfg, 1, 0, waits)
         # rewards 0 and 1 within each group, so that the step has a gradient to follow (a random policy earns none)
         rewarded = [
             ray.put([dataclasses.replace(t, reward=float(t.sample % 2)) for t in batch]) for batch in ray.get(refs)

@@ -41,7 +41,7 @@ def learn(overrides: list[str] = (), model_cache: str | os.PathLike | None = Non
     import torch
 
     from app.config import load_config
-    from app.driver.phases import sampling_phase
+    from app.driver.phases import rollout_seed, sampling_phase
     from app.learning.sft import demonstrations
     from app.learning.training import PolicyTrainer
     from app.model.build import ensure_model
@@ -108,7 +108,7 @@ def learn(overrides: list[str] = (), model_cache: str | os.PathLike | None = Non
     # GRPO (app.main.run_steps): n samples of each maze form a group; one update; the adapter goes to the engine
     steps = []
 
-    def play_round(mazes, round_, step):  # app.driver.cluster.rollout_phase, in this process
+    def play_round(mazes, round_, step):  # app.driver.phases.rollout_phase, in this process
         trained_ids.update(m.identity for m in mazes)
         n, first = cfg.rollout.n_samples_per_prompt, round_ * len(mazes)
         requests = [EpisodeRequest(m, first + group, s) for group, m in enumerate(mazes) for s in range(n)]
@@ -116,7 +116,7 @@ def learn(overrides: list[str] = (), model_cache: str | os.PathLike | None = Non
             cfg.rollout.max_new_tokens,
             cfg.rollout.temperature,
             cfg.rollout.top_p,
-            seed=cfg.train.seed * 1_000_003 + step * 7_919 + round_ * 104_729,
+            seed=rollout_seed(cfg.train.seed, step, round_, 0),
         )
         trajectories = play_episodes(engine, engine.codec, requests, settings, sampling)
         return [{"rewards": [(t.group, t.sample, t.reward) for t in trajectories]}], [trajectories]

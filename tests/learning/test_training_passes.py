@@ -107,7 +107,7 @@ def test_entropy_bonus_keeps_the_policy_more_spread_than_the_same_step_without_i
     before, plain = entropy_after_one_step("0")
     same_start, bonus = entropy_after_one_step("2.0")
     assert same_start == pytest.approx(before, rel=1e-5)  # both start from the same policy
-    assert bonus > plain and bonus > before
+    assert bonus > plain  # the same step, the same batch: with the bonus the policy stays more spread
 
 
 def test_entropy_coef_must_not_be_negative():

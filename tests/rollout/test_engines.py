@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.rollout import held_checksum, lora_checksum
+from app.config import LoraSettings
 from app.model import adapters
 from app.model.load import VISION_TOKENS, lora_state_dict
 from app.rollout.encoding import as_image
@@ -13,6 +15,7 @@ from app.world.episode import MazeEpisode
 from app.world.maze import generate_maze
 
 pytestmark = pytest.mark.vllm
+LORA = LoraSettings(rank=8, alpha=16)  # tests/conftest.py's tiny_lora, which both engines are built with
 
 
 def opening_prompts(codec, n=6, size=7):
@@ -128,8 +131,6 @@ def test_caller_tensors_are_not_modified(vllm_engine, hf_engine):
 @pytest.mark.parametrize("engine_name", ["hf_engine", "vllm_engine"])
 def test_packed_adapter_loads_like_the_dict(request, engine_name, prompts):
     """What the rollout actor receives from the object store (one packed buffer) = the plain tensors."""
-    from actors.rollout import lora_checksum
-
     engine = request.getfixturevalue(engine_name)
     tensors = random_adapter(engine.spec, seed=8)
     greedy = Sampling(max_new_tokens=12, temperature=0.0)
@@ -139,8 +140,39 @@ def test_packed_adapter_loads_like_the_dict(request, engine_name, prompts):
     before = packed.buffer.copy()
     engine.load_lora(packed, 9)
     assert [g.token_ids for g in engine.generate(prompts, greedy)] == [g.token_ids for g in from_dict]
-    assert lora_checksum(engine.lora_state()) == lora_checksum(tensors)
+    assert lora_checksum(engine.lora_state()) == held_checksum(tensors, LORA)
     assert (packed.buffer == before).all()  # vLLM's in-place scaling hit a private copy
+
+
+@pytest.mark.parametrize("engine_name", ["hf_engine", "vllm_engine"])
+def test_the_held_adapter_is_read_back_from_the_engine_itself(request, engine_name):
+    """lora_state asks the engine what it generates with: an adapter changed inside the engine (vLLM: a LoRA slot
+    in the worker's layers; transformers: the PEFT model's parameters) no longer matches the one it was given."""
+    engine = request.getfixturevalue(engine_name)
+    tensors = random_adapter(engine.spec, seed=10)
+    engine.load_lora(tensors, 10)
+    assert lora_checksum(engine.lora_state()) == held_checksum(tensors, LORA)
+    assert set(engine.lora_state()) == set(adapters.held_form(tensors, LORA.rank, LORA.alpha, torch.float32))
+    if engine_name == "vllm_engine":
+
+        def nudge_one_slot(worker):
+            manager = worker.model_runner.lora_manager._adapter_manager
+            slot = manager.lora_index_to_id.index(12)
+            layer = next(m for n, m in manager.modules.items() if n.endswith("layers.0.self_attn.qkv_proj"))
+            layer.lora_b_stacked[1][slot, 0, 0, 0] += 1.0  # k_proj's lora_B, one element
+
+        engine.llm.collective_rpc(nudge_one_slot)
+    else:
+        with torch.no_grad():
+            next(p for n, p in engine.model.named_parameters() if "k_proj.lora_B" in n)[0, 0] += 1.0
+    changed = engine.lora_state()
+    assert lora_checksum(changed) != held_checksum(tensors, LORA)
+    differ = [k for k, v in changed.items() if not torch.equal(v, held_form_of(tensors)[k])]
+    assert differ == ["layers.0.self_attn.k_proj.lora_B"]
+
+
+def held_form_of(tensors):
+    return adapters.held_form(tensors, LORA.rank, LORA.alpha, torch.float32)
 
 
 @pytest.mark.parametrize("engine_name", ["hf_engine", "vllm_engine"])

@@ -7,7 +7,7 @@ import pytest
 
 from app.rollout.encoding import png_to_image
 from app.rollout.engines.base import Sampling
-from app.rollout.engines.scripted import ScriptedEngine
+from app.rollout.engines.scripted import MOVES, ScriptedEngine
 from app.rollout.episodes import EpisodeRequest, context_budget, play_episodes
 from app.rollout.trajectory import summarize
 from app.world import dialogue
@@ -130,10 +130,23 @@ def test_context_budget_bounds_every_context(codec, window, turn_window):
     assert longest <= context_budget(codec, st, 12)
 
 
-def test_context_over_max_model_len_is_a_clear_error(codec):
-    engine = ScriptedEngine(codec)
-    with pytest.raises(ValueError, match="max_model_len"):
-        play_episodes(engine, codec, requests(2), EpisodeSettings(10, 7, 32, 0, max_model_len=100), Sampling(12))
+@pytest.mark.parametrize("max_model_len", [100, 400])
+def test_a_context_past_max_model_len_ends_that_episode_not_the_rollout(codec, max_model_len):
+    """Model output decides how long a context grows: one that would pass max_model_len ends its episode
+    (outcome context_full, reward 0), the others play on, and every ended episode is still a trajectory."""
+    from app.rollout.trajectory import summarize
+    from app.world.episode import CONTEXT_FULL
+
+    engine = ScriptedEngine(codec, MOVES, cut_share=0.0, seed=2)  # moves only: contexts grow every turn
+    st = EpisodeSettings(10, 7, 32, 0, max_model_len=max_model_len)
+    trajectories = play_episodes(engine, codec, requests(8), st, Sampling(12))
+    full = [t for t in trajectories if t.outcome == CONTEXT_FULL]
+    assert full and all(t.reward == 0.0 for t in full)
+    for t in trajectories:
+        assert all(len(s.token_ids) <= max_model_len for s in t.sequences)
+        assert t.turns == sum(1 for _ in t.replies) and t.turns < 10
+    assert summarize(trajectories)["context_full_rate"] == len(full) / len(trajectories)
+    assert all(len(p) - 1 + 12 <= max_model_len for p, _ in engine.log)  # (p: the picture hash + the prompt ids)
 
 
 def test_a_turn_window_keeps_the_task_the_last_turns_and_the_current_picture(codec):

@@ -9,9 +9,10 @@ log_softmax((logits with vision tokens forbidden) / temperature), temperature 1 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -46,9 +47,28 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def for_turn(self, turn: int) -> Sampling:
+        """This sampling for one turn of an episode loop: its own seed, derived from the loop's and the turn."""
+        if self.seed is None:
+            return self
+        return replace(self, seed=derive_seed(self.seed, turn))
+
     @property
     def logprob_temperature(self) -> float:
         return 1.0 if self.greedy else self.temperature
+
+
+def derive_seed(*parts: int) -> int:
+    """A seed for one draw, named by integers (run seed, step, round, actor, turn, request...): the same names give
+    the same seed, different names unrelated ones (numpy's SeedSequence hashes them). Sums of multiples of constants
+    repeat along diagonals (step s turn t+1 == step s+1 turn t); hashed names do not. In [0, 2**63)."""
+    state = np.random.SeedSequence([p % 2**64 for p in parts]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31 | int(state[1]) >> 1) & (2**63 - 1)
+
+
+def request_seed(seed: int, request: int) -> int:
+    """The seed of request `request` of one generate call seeded with `seed` (engines that seed each request)."""
+    return derive_seed(seed, request)
 
 
 class Engine(abc.ABC):
@@ -66,7 +86,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def lora_state(self) -> dict[str, torch.Tensor] | None:
-        """The adapter tensors generation uses now (PEFT names), or None before the first load."""
+        """The adapter generation uses now, read back from where the engine keeps it, in
+        app.model.adapters.held_form's layout (compare with held_form of the trainer's tensors); None before the
+        first load."""
 
     def sleep(self) -> None:
         """Frees what generation holds (KV cache, weights where the engine can offload) between phases."""

@@ -110,9 +110,8 @@ class HFEngine(Engine):
 
         if self.lora_version < 0:
             return None
-        return adapters.normalize_keys(
-            {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
-        )
+        held = {k: v for k, v in get_peft_model_state_dict(self.model).items()}
+        return adapters.held_form(held, self.spec.rank, self.spec.alpha, next(self.model.parameters()).dtype)
 
     def sleep(self) -> None:
         self._stats["sleeps"] += 1  # the model stays resident: nothing to free on a CPU

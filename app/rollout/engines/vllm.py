@@ -22,7 +22,7 @@ from app.config import LoraSettings
 from app.model import adapters
 from app.model.load import VISION_TOKENS, load_processor
 from app.rollout.encoding import ChatCodec
-from app.rollout.engines.base import Engine, Generation, Prompt, Sampling
+from app.rollout.engines.base import Engine, Generation, Prompt, Sampling, request_seed
 
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -120,7 +120,6 @@ class VLLMEngine(Engine):
         self.lora_dtype = getattr(torch, dtype)
         self.lora_version = -1
         self._lora_request = None
-        self._lora_tensors = None
         self._asleep = False
         self._weights_awake = True
         self._stats = {
@@ -158,7 +157,7 @@ class VLLMEngine(Engine):
                     bad_words=list(VISION_TOKENS),
                     detokenize=False,
                     stop_token_ids=[self.codec.im_end_id],
-                    seed=None if sampling.seed is None or not self.on_gpu else sampling.seed + i,
+                    seed=None if sampling.seed is None or not self.on_gpu else request_seed(sampling.seed, i),
                 )
             )
             request = {"prompt_token_ids": self.codec.collapse_image_pads(p.token_ids)}
@@ -197,8 +196,8 @@ class VLLMEngine(Engine):
         from vllm.lora.request import LoRARequest
 
         start = time.perf_counter()
-        held = adapters.normalize_keys(adapters.unpack(tensors))
-        adapters.validate(held, self.spec, check_values=False)
+        given = adapters.normalize_keys(adapters.unpack(tensors))
+        adapters.validate(given, self.spec, check_values=False)
         device = "cuda" if self.on_gpu else "cpu"
         private = adapters.normalize_keys(adapters.private_copies(tensors, device, self.lora_dtype))
         adapters.check_finite(private)
@@ -212,14 +211,18 @@ class VLLMEngine(Engine):
             "mazerl_load_lora", args=(private, self.spec.peft_config(), lora_id, expected_modules, device)
         )
         self._lora_request = LoRARequest(f"policy-v{version}", lora_id, f"mem://policy/v{version}")
-        self._lora_tensors = held  # untouched: vLLM got (and scales in place) private copies
         self.llm.reset_prefix_cache()
         self.lora_version = version
         self._stats["lora_loads"] += 1
         self._stats["lora_load_s"] += time.perf_counter() - start
 
     def lora_state(self) -> dict[str, torch.Tensor] | None:
-        return self._lora_tensors
+        if self._lora_request is None:
+            return None
+        if self._asleep and not self._weights_awake:  # the LoRA slots live in the offloaded "weights" pool
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+        return self.llm.collective_rpc("mazerl_lora_slots", args=(self._lora_request.lora_int_id,))[0]
 
     # ------------------------------------------------------------ phases
     def sleep(self) -> None:

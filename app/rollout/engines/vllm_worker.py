@@ -55,3 +55,25 @@ class LoraTensorLoader:
 
     def mazerl_active_lora_ids(self) -> list[int]:
         return sorted(self.model_runner.lora_manager._adapter_manager.list_adapters())
+
+    def mazerl_lora_slots(self, lora_id: int) -> dict:
+        """The adapter `lora_id` as the layers hold it in their LoRA slot (what generation multiplies by), by
+        app.model.adapters.held_name: each stacked q/k/v or gate/up slice under its own projection's name, A
+        [r, in] and B [out, r] (scaled by alpha / r, as vLLM keeps it), trimmed to the adapter's rank."""
+        manager = self.model_runner.lora_manager._adapter_manager
+        slot = manager.lora_index_to_id.index(lora_id)
+        lora = manager._registered_adapters[lora_id]
+        packed = getattr(self.model_runner.model, "packed_modules_mapping", {}) or {}
+        held = {}
+        for name, layer in manager.modules.items():
+            if name not in lora.loras or "layers." not in name:
+                continue
+            stem, _, last = name[name.index("layers.") :].rpartition(".")
+            slices = len(layer.lora_a_stacked)
+            parts = packed.get(last, [last]) if slices > 1 else [last]
+            for i, part in enumerate(parts):
+                a = layer.lora_a_stacked[i][slot, 0, : lora.rank, :]
+                b = layer.lora_b_stacked[i][slot, 0, :, : lora.rank]
+                held[f"{stem}.{part}.lora_A"] = a.detach().to("cpu", copy=True).contiguous()
+                held[f"{stem}.{part}.lora_B"] = b.detach().to("cpu", copy=True).contiguous()
+        return held

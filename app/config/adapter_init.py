@@ -1,0 +1,95 @@
+"""The warm start's adapter (`model.adapter_init`) read before anything starts, and held to the run's `lora.*`.
+
+The engines, every sync and every exported adapter_config.json use `lora.*`; the trainer loads the adapter's own
+PEFT config. So the two must describe one adapter: the same rank, alpha and target modules, plain LoRA scaled by
+alpha / r. A mismatch would otherwise surface at the first sync (rank, targets), after every actor started, or
+never (alpha: rollouts would sample a differently scaled policy than the one trained). The adapter's dropout is
+not held to anything: the trainer loads it with `lora.dropout`, which is 0 (app/config/checks.py says why).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.config.knobs import ConfigError
+from app.config.schema import LoraSettings
+
+FIELD = "model.adapter_init"
+
+
+@dataclass(frozen=True)
+class AdapterInit:
+    """What an adapter folder's adapter_config.json says, as far as the run depends on it."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"LoRA r={self.rank}, alpha={self.alpha:g}, targets {list(self.target_modules)}"
+
+
+def read_adapter_init(folder: str | Path) -> AdapterInit:
+    path = Path(folder) / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(
+            FIELD,
+            f"{path} cannot be read as JSON ({type(e).__name__})",
+            "point it at a PEFT adapter folder whose adapter_config.json PEFT wrote (e.g. scripts/sft.py's)",
+        ) from None
+    if not isinstance(config, dict):
+        raise ConfigError(FIELD, f"{path} holds no JSON object", "point it at a PEFT adapter folder")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(
+            FIELD, f"the adapter is {config.get('peft_type')!r}, not LoRA", "start from a LoRA adapter (peft_type LORA)"
+        )
+    for flag, name in (("use_rslora", "rsLoRA (scaled by alpha / sqrt(r))"), ("use_dora", "DoRA")):
+        if config.get(flag):
+            raise ConfigError(
+                FIELD,
+                f"the adapter uses {name}; the engines apply plain LoRA scaled by alpha / r",
+                f"start from a plain LoRA adapter ({flag}: false)",
+            )
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or not all(isinstance(x, str) for x in targets):
+        raise ConfigError(
+            FIELD,
+            f"its target_modules is {targets!r}, not a list of module names",
+            "start from an adapter whose adapter_config.json lists its target modules",
+        )
+    try:
+        rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(
+            FIELD, "its adapter_config.json has no usable r and lora_alpha", "point it at a PEFT adapter folder"
+        ) from None
+    return AdapterInit(rank, alpha, tuple(targets))
+
+
+def check_adapter_init(folder: str | Path, lora: LoraSettings) -> AdapterInit:
+    """The adapter's config, refused with the field to change when it is not the adapter `lora.*` describes."""
+    found = read_adapter_init(folder)
+    if found.rank != lora.rank:
+        raise ConfigError(
+            "lora.rank",
+            f"it is {lora.rank}, but {FIELD}'s adapter has r={found.rank}",
+            f"set lora.rank={found.rank} (lora.* shapes the engines and the exports)",
+        )
+    if found.alpha != lora.alpha:
+        raise ConfigError(
+            "lora.alpha",
+            f"it is {lora.alpha}, but {FIELD}'s adapter has lora_alpha={found.alpha:g}",
+            f"set lora.alpha={found.alpha:g}, or the engines would sample a differently scaled policy",
+        )
+    if set(found.target_modules) != set(lora.target_modules):
+        listed = ", ".join(sorted(found.target_modules))
+        raise ConfigError(
+            "lora.target_modules",
+            f"they are {sorted(lora.target_modules)}, but {FIELD}'s adapter targets [{listed}]",
+            f"set lora.target_modules=[{listed}]",
+        )
+    return found

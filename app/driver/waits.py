@@ -1,0 +1,94 @@
+"""Every wait of the driver, bounded and spoken: what it waits for, on which actor, since when and until when.
+
+`Waits.gather` is the driver's `ray.get`: the first result that fails raises at once (a lost rank must not hide
+behind a surviving one that waits in a collective for it), a line is logged every `waits.report_every_s` while
+results are outstanding (naming the actors not done yet and their nodes), and past the phase's bound the wait is a
+`Stall`: logged with what waits on what, counted, and answered by the driver loop like a lost actor (release
+everything, recover from the newest checkpoint). A phase's bound is `waits.phase_s`, or, once the run has
+finished that phase a few times, `waits.stall_factor` times its median (never under `waits.stall_floor_s`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import ray
+
+from app.config import WaitConfig
+
+log = logging.getLogger("mazerl.waits")
+
+# Phases whose first occurrences are not typical (engine warm-up, compilation): the median needs a few.
+MEDIAN_AFTER = 3
+
+
+class Stall(TimeoutError):
+    """A wait that ran past its bound. `waiting_on` names the actors that had not answered."""
+
+    def __init__(self, what: str, bound_s: float, waiting_on: list[str]):
+        self.what, self.bound_s, self.waiting_on = what, bound_s, waiting_on
+        super().__init__(f"{what}: no answer from {', '.join(waiting_on) or 'nobody'} after {bound_s:.0f} s")
+
+
+class Waits:
+    """The bounds of one run's waits, learning each phase's typical duration as the run goes."""
+
+    def __init__(self, cfg: WaitConfig, on_stall=None):
+        self.cfg = cfg
+        self.durations: dict[str, list[float]] = defaultdict(list)
+        self.stalls = 0
+        self.on_stall = on_stall  # called with the Stall before it is raised (the metrics sink counts it)
+
+    def bound(self, phase: str) -> float:
+        seen = self.durations.get(phase, [])
+        if self.cfg.stall_factor > 0 and len(seen) >= MEDIAN_AFTER:
+            typical = self.cfg.stall_factor * statistics.median(seen[-20:])
+            return min(self.cfg.phase_s, max(typical, self.cfg.stall_floor_s))
+        return self.cfg.phase_s
+
+    def gather(self, refs: Sequence, phase: str, holders: Sequence[str], bound_s: float | None = None) -> list:
+        """ray.get(refs) in order, failing fast and bounded. holders[i] names the actor that answers refs[i]."""
+        refs, holders = list(refs), list(holders)
+        if len(refs) != len(holders):
+            raise ValueError(f"{len(refs)} refs but {len(holders)} holders for {phase}")
+        bound = self.bound(phase) if bound_s is None else bound_s
+        start = time.monotonic()
+        pending = dict(zip(refs, holders))
+        next_report = start + self.cfg.report_every_s
+        while pending:
+            now = time.monotonic()
+            if now - start > bound:
+                self._stall(Stall(phase, bound, list(pending.values())))
+            timeout = max(0.0, min(next_report, start + bound) - now)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            for ref in ready:
+                ray.get(ref)  # raises now if this actor failed, whatever the others are doing
+                pending.pop(ref)
+            if pending and time.monotonic() >= next_report:
+                log.info(
+                    "waiting for %s: %d of %d answered; still waiting on %s (%.0f s of at most %.0f s)",
+                    phase,
+                    len(refs) - len(pending),
+                    len(refs),
+                    ", ".join(pending.values()),
+                    time.monotonic() - start,
+                    bound,
+                )
+                next_report += self.cfg.report_every_s
+        if bound_s is None:
+            self.durations[phase].append(time.monotonic() - start)
+        return ray.get(refs)
+
+    def one(self, ref, phase: str, holder: str, bound_s: float | None = None):
+        return self.gather([ref], phase, [holder], bound_s)[0]
+
+    def _stall(self, stall: Stall) -> None:
+        self.stalls += 1
+        log.error("stall: %s; treating it as a lost actor (stalls so far: %d)", stall, self.stalls)
+        if self.on_stall is not None:
+            self.on_stall(stall)
+        raise stall

@@ -1,0 +1,99 @@
+"""app.driver.waits on real Ray tasks: results in order, the first failure at once, a stall past the bound, a word
+while waiting; and the placement checks that turn an impossible placement into an error instead of a wait."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from app.config import ConfigError, WaitConfig
+from app.driver.waits import Stall, Waits
+from placement import plan as placement
+from tests.conftest import tiny_config
+
+
+def sleeper():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def sleep_then(seconds: float, value=None, fail: bool = False):
+        time.sleep(seconds)
+        if fail:
+            raise RuntimeError("this rank is gone")
+        return value
+
+    return sleep_then
+
+
+def test_results_come_back_in_order(ray_cluster):
+    sleep_then = sleeper()
+    waits = Waits(WaitConfig())
+    refs = [sleep_then.remote(0.3, "slow"), sleep_then.remote(0.0, "fast")]
+    assert waits.gather(refs, "train", ["trainer-0", "trainer-1"]) == ["slow", "fast"]
+    assert len(waits.durations["train"]) == 1
+
+
+def test_the_first_failure_raises_at_once_while_others_still_wait(ray_cluster):
+    import ray
+
+    sleep_then = sleeper()
+    waits = Waits(WaitConfig(phase_s=120))
+    survivor = sleep_then.remote(60)  # a rank waiting in a collective for the lost one
+    lost = sleep_then.remote(0.2, fail=True)
+    start = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match="this rank is gone"):
+        waits.gather([survivor, lost], "train", ["trainer-0", "trainer-1"])
+    assert time.monotonic() - start < 15
+    ray.cancel(survivor, force=True)
+
+
+def test_past_its_bound_a_wait_is_a_stall_that_names_who_did_not_answer(ray_cluster, caplog):
+    import ray
+
+    sleep_then = sleeper()
+    seen = []
+    waits = Waits(WaitConfig(phase_s=3, report_every_s=1), on_stall=seen.append)
+    answered, stuck = sleep_then.remote(0.0, 1), sleep_then.remote(60)
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="mazerl.waits"), pytest.raises(Stall) as caught:
+        waits.gather([answered, stuck], "rollout", ["rollout-0 on node a", "rollout-1 on node b"])
+    assert 3 <= time.monotonic() - start < 10
+    assert caught.value.waiting_on == ["rollout-1 on node b"] and "rollout-1 on node b" in str(caught.value)
+    assert isinstance(caught.value, TimeoutError)  # the driver loop answers it like a lost actor
+    assert waits.stalls == 1 and seen == [caught.value]
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for rollout")]
+    assert len(progress) >= 2 and "1 of 2 answered" in progress[0] and "rollout-1 on node b" in progress[0]
+    ray.cancel(stuck, force=True)
+
+
+def test_a_phase_is_bounded_by_its_median_once_it_has_one():
+    waits = Waits(WaitConfig(phase_s=3600, stall_factor=5, stall_floor_s=30))
+    assert waits.bound("train") == 3600
+    waits.durations["train"] += [20.0, 22.0, 21.0]
+    assert waits.bound("train") == 5 * 21.0
+    waits.durations["sync"] += [0.5, 0.4, 0.6]
+    assert waits.bound("sync") == 30  # never under the floor: short phases vary a lot
+    assert Waits(WaitConfig(phase_s=60, stall_factor=0)).bound("train") == 60
+
+
+def test_an_impossible_placement_is_an_error_that_names_what_is_missing():
+    plan = placement.make_plan(tiny_config("placement.cpus_per_bundle=2"))
+    head, worker = {"CPU": 1.0, "head": 1.0}, {"CPU": 1.0}
+    with pytest.raises(ConfigError) as caught:
+        placement.check_nodes(plan, [head, worker])
+    assert caught.value.field_path == "placement.cpus_per_bundle" and "CPU': 2" in caught.value.problem
+    small = placement.make_plan(tiny_config("placement.consolidator_cpus=0.8", "placement.evaluator_cpus=0.5"))
+    with pytest.raises(ConfigError) as caught:
+        placement.check_nodes(small, [head, {"CPU": 4.0}])
+    assert caught.value.field_path == "placement.consolidator_cpus"
+    placement.check_nodes(placement.make_plan(tiny_config()), [head, {"CPU": 2.0}])  # fits: no error
+
+
+def test_the_plan_reserves_the_heads_share_for_its_actors_first():
+    plan = placement.make_plan(tiny_config("placement.cpus_per_bundle=1"))
+    nodes = placement.parse_cluster("head:CPU=1,head=1;2x worker:CPU=1")
+    assert placement.simulate(plan, nodes) == ["worker-0", "worker-1"]
+    text = placement.describe(plan, {"head": 1})
+    assert "evaluator: CPU 0.1, pinned to the head node" in text and "consolidator: CPU 0.1, pinned" in text
