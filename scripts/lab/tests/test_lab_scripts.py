@@ -30,7 +30,7 @@ def test_probe_sweep_runs_variants_side_by_side_and_tabulates_them(tmp_path):
     out = tmp_path / "out"
     # 5 minutes only bound the variants, which stop at their --steps; 1 ran out on a loaded 2-core machine
     done = run_script(
-        ["scripts/lab/probe_sweep.sh", str(out), "5", "configs/tiny.yaml"],
+        ["scripts/lab/probe_sweep.sh", str(out), "5", "tests/tiny.yaml"],
         VARIANTS_SPEC="two:eval.num_mazes=2,--steps=2 three:--steps=3,eval.num_mazes=2,maze.cell_px=8",
         PROBE_ARGS="--device cpu --batch 2 --eval-every 1 --steps 5",
     )
@@ -156,7 +156,7 @@ def sft_then_grpo(tmp_path_factory):
     # a busy machine, the run itself stops after its one GRPO step and 3 control steps
     done = run_script(
         ["scripts/lab/learn.sh", "sft+grpo", str(out), str(work), "6"],
-        CONFIG="configs/tiny.yaml",
+        CONFIG="tests/tiny.yaml",
         DEVICE="cpu",
         EVAL_EVERY="1",
         SFT_MINUTES="0.1",
@@ -198,7 +198,7 @@ def test_learn_packs_the_run_and_a_fresh_work_folder_resumes_grpo_and_the_contro
         assert not (work / "sft_s7_lr3e-4" / "sft_log.jsonl").exists()  # only what going on needs came back
         resumed = run_script(
             ["scripts/lab/learn.sh", "grpo", str(tmp_path / "out2"), str(work), "4"],
-            CONFIG="configs/tiny.yaml",
+            CONFIG="tests/tiny.yaml",
             DEVICE="cpu",
             EVAL_EVERY="1",
             EXTRA=f"sft.steps=2 train.max_steps=2 {SMOKE}",
@@ -240,7 +240,7 @@ def test_learn_see_variants_side_by_side_the_first_to_pass_wins_and_the_rest_sto
     # for its minute without evaluating, so it is stopped unsaved when quick passes.
     done = run_script(
         ["scripts/lab/learn.sh", "see", str(out), str(work), "1"],
-        CONFIG="configs/tiny.yaml",
+        CONFIG="tests/tiny.yaml",
         DEVICE="cpu",
         SEE_BATCH="2",
         SEE_ABOVE="-1",
@@ -292,7 +292,7 @@ def test_learn_grpo_goes_on_without_cuda_graphs_when_the_run_with_them_fails(sft
     out = tmp_path / "out"
     done = run_script(
         ["scripts/lab/learn.sh", "grpo", str(out), str(copy), "4"],
-        CONFIG="configs/tiny.yaml",
+        CONFIG="tests/tiny.yaml",
         DEVICE="cpu",
         EVAL_EVERY="1",
         PATH=f"{shim}:{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -307,7 +307,7 @@ def test_learn_grpo_goes_on_without_cuda_graphs_when_the_run_with_them_fails(sft
     # a run without CUDA graphs that fails is not run again: that retry would change nothing (round 3 of the controls)
     eager = run_script(
         ["scripts/lab/learn.sh", "grpo", str(tmp_path / "out2"), str(copy), "4"],
-        CONFIG="configs/tiny.yaml",
+        CONFIG="tests/tiny.yaml",
         DEVICE="cpu",
         EVAL_EVERY="1",
         PATH=f"{shim}:{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -325,7 +325,7 @@ def test_learn_grpo_goes_on_without_cuda_graphs_when_the_run_with_them_fails(sft
     )
     several = run_script(
         ["scripts/lab/learn.sh", "grpo", str(tmp_path / "out3"), str(copy), "4"],
-        CONFIG="configs/tiny.yaml",
+        CONFIG="tests/tiny.yaml",
         DEVICE="cpu",
         EVAL_EVERY="1",
         CONTROL="0",
@@ -343,7 +343,7 @@ def test_learn_start_detaches_the_grpo_stage_and_watch_brings_its_run_back(sft_t
     _, work, _ = sft_then_grpo
     copy = tmp_path / "work"
     shutil.copytree(work, copy)
-    env = dict(CONFIG="configs/tiny.yaml", DEVICE="cpu", EVAL_EVERY="1", EXTRA=f"sft.steps=2 train.max_steps=2 {SMOKE}")
+    env = dict(CONFIG="tests/tiny.yaml", DEVICE="cpu", EVAL_EVERY="1", EXTRA=f"sft.steps=2 train.max_steps=2 {SMOKE}")
     started = run_script(["scripts/lab/learn.sh", "start", str(tmp_path / "unused"), str(copy), "4"], **env)
     assert started.returncode == 0, started.stdout + started.stderr
     pid = int((copy / "detached.pid").read_text())

@@ -9,7 +9,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+TINY = os.path.join(ROOT, "tests", "tiny.yaml")
 
 
 @pytest.fixture(scope="module")
