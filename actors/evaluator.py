@@ -28,15 +28,26 @@ class EvaluatorActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def validate(self, mazes: list, rollouts: list) -> dict:
+        """The greedy summary on these training mazes (the warm start's validation set); nothing is written."""
+        trajectories = self._play(list(enumerate(mazes)), rollouts)
+        return {k: v for k, v in eval_report(trajectories, self.cfg.rollout.max_turns).items() if k != "mazes"}
+
+    def _play(self, numbered: list, rollouts: list) -> list:
+        greedy = Sampling(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
+        shares = [[] for _ in rollouts]
+        for i, maze in numbered:
+            shares[i % len(rollouts)].append((maze, i))
+        refs = [actor.play.remote(share, 1, greedy)[1] for actor, share in zip(rollouts, shares) if share]
+        return sorted((t for batch in ray.get(refs) for t in batch), key=lambda t: t.group)
+
     def evaluate(self, step: int, rollouts: list) -> dict:
         """Plays every held-out maze once, greedily (and eval.samples times sampled), through these rollout actors;
         writes per-maze outcomes of the greedy play; returns the summary."""
-        greedy = Sampling(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
-        shares = [[] for _ in rollouts]
-        for i, maze in enumerate(self.mazes):
-            shares[i % len(rollouts)].append((maze, i))
-        refs = [actor.play.remote(share, 1, greedy)[1] for actor, share in zip(rollouts, shares) if share]
-        trajectories = sorted((t for batch in ray.get(refs) for t in batch), key=lambda t: t.group)
+        trajectories = self._play(list(enumerate(self.mazes)), rollouts)
+        shares = [
+            [(maze, i) for i, maze in enumerate(self.mazes) if i % len(rollouts) == k] for k in range(len(rollouts))
+        ]
         report = eval_report(trajectories, self.cfg.rollout.max_turns)
         report.update(diagnosis_metrics(report, self.cfg.maze.size), step=step)
         if self.cfg.eval.samples:

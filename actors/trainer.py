@@ -55,7 +55,13 @@ class TrainerActor:
                 timeout=timedelta(seconds=self.cfg.waits.collective_s),  # how long survivors wait for a lost rank
             )
         self.trainer = PolicyTrainer(self.cfg, self.model_dir, self.rank, self.world, self.device)
-        return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id(), "device": self.device}
+        name = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
+        return {
+            "rank": self.rank,
+            "node": ray.get_runtime_context().get_node_id(),
+            "device": self.device,
+            "device_name": name,
+        }
 
     @ray.method(num_returns=2)
     def step(self, trajectory_refs: list, step: int):

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.config import Config, ConfigError, absolute_paths, describe, load_config
-from app.driver.cluster import Actors, connect_ray, recoverable_errors, shutdown, spawn
+from app.driver.cluster import Actors, connect_ray, ray_dashboard, recoverable_errors, shutdown, spawn
 from app.driver.phases import (
     evaluate,
     export_adapter,
@@ -30,13 +30,16 @@ from app.driver.phases import (
     sync_lora,
     timed,
     train_phase,
+    validate,
     warm_start_step,
     write_checkpoint,
 )
-from app.driver.preflight import check_context_budget, check_storage, describe_preflight
+from app.driver.preflight import check_context_budget, check_storage, describe_preflight, model_flops
 from app.driver.waits import Waits
+from app.observe.efficiency import peak_tflops, step_efficiency
 from app.observe.metrics import MetricsSink
 from app.observe.report import build_report
+from app.observe.summary import build_summary, write_summary
 from app.world.sampler import MazeSampler, eval_mazes
 from placement import plan as placement
 
@@ -52,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cluster",
         help="with --plan: a cluster to place on instead of none, e.g. 'head:CPU=32,head=1;3x worker:GPU=2,CPU=32'",
     )
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # --plan may come anywhere, before or after the overrides
 
 
 class Run:
@@ -61,11 +64,19 @@ class Run:
     def __init__(self, cfg: Config, sampler: MazeSampler, sink):
         self.cfg, self.sampler, self.sink = cfg, sampler, sink
         self.waits = Waits(cfg.waits)
+        self.flops = model_flops(cfg)
         self.recoveries = 0
         self.last_checkpoint = 0
         self.saved_steps: list[int] = []  # the checkpoints this run committed: a recovery resumes from the newest
         self.start_sampler = sampler.state_dict()  # where the run began, for a recovery before any checkpoint
         self.history: list[dict] = []
+
+    def efficiency(self, metrics: dict, actors: Actors) -> dict:
+        """Each phase's FLOPs, MFU and floor (app/observe/efficiency.py) on this run's GPUs."""
+        p = self.cfg.placement
+        peak = peak_tflops(actors.device_name, self.cfg.metrics.peak_tflops)
+        gpus = p.num_bundles * p.gpus_per_bundle
+        return step_efficiency(metrics, self.flops, gpus, peak, self.cfg.model.gradient_checkpointing)
 
     def json_state(self, trainer_state: dict) -> dict:
         return {
@@ -99,13 +110,34 @@ def restore(run: Run, actors: Actors) -> int:
         run.history, run.last_checkpoint = [], 0
         log.info("no checkpoint to resume from (resume_mode %s): starting at step 0", cfg.checkpoint.resume_mode)
     if not step and cfg.sft.steps and not cfg.model.adapter_init:
-        for k in range(1, cfg.sft.steps + 1):
-            seeds = [m.seed for m in run.sampler.next(cfg.sft.mazes_per_step)]
-            run.sink.record(0, {"sft_step": k, **warm_start_step(actors, seeds, cfg.sft.lr, waits)})
+        warm_start(run, actors)
     sync_lora(actors, [t.lora.remote() for t in actors.trainers][0], step, waits)
     if cfg.eval.at_start and not step:
         run.sink.record(0, evaluate(actors, 0, waits))
     return step
+
+
+def warm_start(run: Run, actors: Actors) -> None:
+    """Supervised steps on the BFS solver's demonstrations before GRPO. With sft.target_solve_rate they go on, after
+    sft.steps, until the greedy policy solves that share of validation mazes (training mazes set aside, never the
+    held-out ones): where SFT starts to solve varies with the seed, and GRPO learns only from groups that sometimes
+    solve."""
+    sft, waits = run.cfg.sft, run.waits
+    target = sft.target_solve_rate
+    validation = run.sampler.next(sft.validation_mazes) if target else []
+    most = (sft.max_steps or 4 * sft.steps) if target else sft.steps
+    for k in range(1, most + 1):
+        seeds = [m.seed for m in run.sampler.next(sft.mazes_per_step)]
+        record = {"sft_step": k, "sft_most": most, **warm_start_step(actors, seeds, sft.lr, waits)}
+        done = False
+        if target and k >= sft.steps and (k - sft.steps) % sft.check_every == 0:
+            sync_lora(actors, [t.lora.remote() for t in actors.trainers][0], 0, waits)
+            report = validate(actors, validation, waits)
+            record.update(prefixed("sft_validation", report), sft_target=target)
+            done = report["solve_rate"] >= target and report["invalid_action_rate"] <= sft.max_invalid_rate
+        run.sink.record(0, record)
+        if done:
+            break
 
 
 def save(run: Run, actors: Actors, step: int, lora_ref) -> dict:
@@ -145,7 +177,7 @@ def run_steps(run: Run, actors: Actors, start: int) -> None:
             metrics.update(save(run, actors, step, lora_ref))
         times["time_step_s"] = sum(times.values())
         metrics.update(times, lora_version=step, recoveries=run.recoveries, stalls=waits.stalls)
-        metrics.update(checkpoint_age_steps=step - run.last_checkpoint)
+        metrics.update(checkpoint_age_steps=step - run.last_checkpoint, **run.efficiency(metrics, actors))
         run.history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))} | {"step": step})
         run.sink.record(step, metrics)
 
@@ -158,7 +190,8 @@ def write_report(run_dir: Path) -> None:
         log.warning("building the run report failed", exc_info=True)
 
 
-def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler) -> int:
+def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler, args: argparse.Namespace) -> int:
+    started_at = time.time()
 
     run_dir = Path(cfg.output_dir) / cfg.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -176,6 +209,11 @@ def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler) -> int:
                 run_steps(run, actors, restore(run, actors))
                 flush_replicas(actors, run.waits)
                 write_report(run_dir)
+                summary = build_summary(
+                    run_dir, started_at, time.time(), args.config, args.overrides, cfg.model.path, ray_dashboard()
+                )
+                print("\n" + summary, flush=True)
+                log.info("summary: %s", write_summary(run_dir, summary))
                 return 0
             except recoverable_errors() as e:
                 run.recoveries += 1
@@ -236,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"mazerl: {e}", file=sys.stderr)
         return 2
-    return train(cfg, plan, sampler)
+    return train(cfg, plan, sampler, args)
 
 
 if __name__ == "__main__":

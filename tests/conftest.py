@@ -72,9 +72,9 @@ def hf_engine(tiny_model_dir, tiny_lora):
 
 
 def tiny_config(*overrides: str) -> Config:
-    """configs/tiny.yaml with overrides; the unit of most integration tests."""
+    """tests/tiny.yaml (a small 2-rank job) with overrides; the unit of most integration tests."""
     root = os.path.dirname(os.path.dirname(__file__))
-    return load_config(os.path.join(root, "configs", "tiny.yaml"), list(overrides))
+    return load_config(os.path.join(root, "tests", "tiny.yaml"), list(overrides))
 
 
 @pytest.fixture(scope="session")

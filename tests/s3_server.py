@@ -42,6 +42,7 @@ class S3Endpoint:
     endpoint_url: str
     access_key: str
     secret_key: str
+    gateway_pid: int | None = None  # the radosgw process, for tests that stop the gateway (None: not ours)
 
     def env(self) -> dict[str, str]:
         """The environment that points boto3's standard credential chain at this server."""
@@ -242,7 +243,7 @@ class CephCluster:
                 f"--access-key={access}",
                 f"--secret-key={secret}",
             )
-            endpoint = S3Endpoint(url, access, secret)
+            endpoint = S3Endpoint(url, access, secret, gateway_pid=self.processes[-1].pid)
             warm_up(endpoint)
         except BaseException:
             self.stop(remove=False)
@@ -372,6 +373,10 @@ def main(argv: list[str]) -> int:
         print(f"export AWS_ENDPOINT_URL={endpoint.endpoint_url}")
         for key, value in endpoint.env().items():
             print(f"export {key}={value}")
+        # for the recovery rehearsal (tests/driver/scenarios/reference.py), which makes its bucket itself
+        print(f"export MAZERL_REHEARSAL_S3_ENDPOINT={endpoint.endpoint_url}")
+        print(f"export MAZERL_REHEARSAL_S3_PID={endpoint.gateway_pid}")
+        print("export MAZERL_REHEARSAL_S3_URI=s3://mazerl-rehearsal/run")
         return 0
     pids_file = workdir / "pids"
     if not pids_file.exists():

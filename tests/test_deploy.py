@@ -564,7 +564,7 @@ class FakeJobAPI(BaseHTTPRequestHandler):
                     "type": "SUBMISSION",
                     "submission_id": job,
                     "status": self.STATUSES[job],
-                    "entrypoint": "python -m app.main configs/tiny.yaml",
+                    "entrypoint": "python -m app.main tests/tiny.yaml",
                 },
             )
         else:
@@ -636,7 +636,7 @@ def script_runs(tmp_path_factory) -> dict:
     closed = ThreadingHTTPServer(("127.0.0.1", 0), FakeJobAPI)  # bound, then closed: nothing listens there
     unreachable = f"http://127.0.0.1:{closed.server_address[1]}"
     closed.server_close()
-    tiny = ("configs/tiny.yaml",)
+    tiny = ("tests/tiny.yaml",)
     try:
         names = ["dry", "cluster", "first", "missing", "unreachable", *(f"job-{s}" for s in JOB_STATES)]
         runs = run_scripts(
@@ -706,7 +706,7 @@ def test_dry_run_prints_the_submission_and_creates_nothing(script_runs):
     assert argv[argv.index("--submission-id") + 1] == "mazerl-tiny"
     assert argv[argv.index("--working-dir") + 1] == "."
     assert argv[argv.index("--address") + 1] == "http://127.0.0.1:8265"
-    assert argv[argv.index("--") + 1 :] == ["python", "-m", "app.main", "configs/tiny.yaml", f"output_dir={out}"]
+    assert argv[argv.index("--") + 1 :] == ["python", "-m", "app.main", "tests/tiny.yaml", f"output_dir={out}"]
     assert not where.exists(), "--dry-run must not create anything"
 
 
@@ -754,7 +754,7 @@ def test_config_errors_stop_before_anything_is_created(script_runs):
 def test_a_config_outside_the_repository_is_refused(tmp_path):
     """The job runs in Ray's copy of the repository (its working_dir): a config outside it would not be there."""
     config = tmp_path / "tiny.yaml"
-    config.write_text((ROOT / "configs" / "tiny.yaml").read_text())
+    config.write_text((ROOT / "tests" / "tiny.yaml").read_text())
     r = subprocess.run(["bash", str(SCRIPT), str(config), "--dry-run"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "is outside" in r.stderr and "job submit" not in r.stdout
 
@@ -771,7 +771,7 @@ def test_prepare_only_creates_the_run_and_eval_set_once(script_runs):
     eval_set = run_dir / "eval_set.json"
     content = script_runs["first_content"]
     data = json.loads(content)
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"output_dir={out}"])
+    cfg = load_config(ROOT / "tests" / "tiny.yaml", [f"output_dir={out}"])
     expected = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
     assert [(m["seed"], m["identity"]) for m in data["mazes"]] == [(m.seed, m.identity) for m in expected]
     assert data["num_mazes"] == cfg.eval.num_mazes and data["max_turns"] == cfg.rollout.max_turns
@@ -805,7 +805,7 @@ def test_running_again_acts_on_the_state_of_the_earlier_job(script_runs):
         "python",
         "-m",
         "app.main",
-        "configs/tiny.yaml",
+        "tests/tiny.yaml",
         f"output_dir={out}",
         "run_name=job-absent",
     ]

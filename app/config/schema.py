@@ -194,7 +194,31 @@ class TrainConfig:
 @dataclass
 class SftConfig:
     steps: int = knob(
-        0, "supervised warm-start steps on BFS demonstrations before GRPO (fresh runs only); 0 skips", ge=0
+        0,
+        "supervised warm-start steps on BFS demonstrations before GRPO (fresh runs only; with target_solve_rate, "
+        "the steps before the first check); 0 skips",
+        ge=0,
+    )
+    target_solve_rate: float = knob(
+        0.0,
+        "go on with the warm start until its greedy policy solves this share of validation mazes (training mazes "
+        "set aside); GRPO learns from a policy that sometimes solves, not from one that never or always does; "
+        "0 runs exactly `steps`",
+        ge=0.0,
+        le=1.0,
+    )
+    max_invalid_rate: float = knob(
+        1.0,
+        "with target_solve_rate: at most this share of the validation turns malformed or into walls",
+        ge=0.0,
+        le=1.0,
+    )
+    check_every: int = knob(5, "with target_solve_rate: warm-start steps between validation checks", ge=1)
+    max_steps: int = knob(
+        0, "with target_solve_rate: the most warm-start steps, target met or not (0: 4 x steps)", ge=0
+    )
+    validation_mazes: int = knob(
+        16, "with target_solve_rate: training mazes set aside to check the warm start on", ge=1
     )
     lr: float = knob(1e-3, "learning rate of the warm start", gt=0.0, le=1.0)
     mazes_per_step: int = knob(8, "demonstrated mazes per warm-start step", ge=1)
@@ -310,12 +334,24 @@ class WaitConfig:
     )
     stall_floor_s: float = knob(120.0, "the shortest bound stall_factor may set (short phases vary a lot)", gt=0.0)
     report_every_s: float = knob(10.0, "while the driver waits, a log line this often: what, on whom, how long", gt=0.0)
+    lost_peer_s: float = knob(
+        20.0,
+        "when one actor's call fails, how long to look for a lost actor in the same wait (a collective fails on "
+        "the surviving ranks before Ray reports the lost one): found, the run recovers; not, the error stands",
+        ge=0.0,
+    )
 
 
 @dataclass
 class MetricsConfig:
     prometheus: bool = knob(True, "export metrics through ray.util.metrics (Ray's Prometheus endpoint)")
     progress_bar: bool = knob(True, "show a progress bar with the latest solve rate")
+    peak_tflops: float = knob(
+        0.0,
+        "a GPU's peak matrix TFLOP/s, the denominator of each phase's MFU; 0 takes the GPU's known bf16 dense peak "
+        "(H100/H200 989) and reports no utilisation on a CPU or an unknown GPU",
+        ge=0.0,
+    )
 
 
 @dataclass

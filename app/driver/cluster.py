@@ -23,7 +23,7 @@ from actors.rollout import RolloutActor
 from actors.trainer import TrainerActor
 from app.config import Config
 from app.driver.preflight import model_cache
-from app.driver.waits import Waits
+from app.driver.waits import LOST, Waits
 from app.model.adapters import AdapterSpec
 from app.model.build import ensure_model
 from placement import plan as placement
@@ -39,6 +39,7 @@ class Actors:
     evaluator: object
     consolidator: object
     nodes: dict = field(default_factory=dict)  # actor name -> the node it runs on
+    device_name: str = "cpu"  # the trainers' device (its peak FLOP/s is the utilisation's denominator)
 
     def label(self, name: str) -> str:
         """How a wait names an actor: with its node, so that a stall says where to look."""
@@ -61,6 +62,9 @@ def connect_ray(cfg: Config):
     address = cfg.placement.ray_address or os.environ.get("RAY_ADDRESS")
     if not address:  # a private local cluster: no token auth to set up
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # "local", not None: with None, ray.init joins the cluster named in /tmp/ray/ray_current_cluster, and when
+        # that cluster is gone (a crashed or killed earlier one) it waits on its address without a word
+        address = "local"
     ray.init(
         address=address,
         namespace=f"mazerl-{cfg.run_name}",
@@ -70,19 +74,19 @@ def connect_ray(cfg: Config):
     return ray
 
 
+def ray_dashboard() -> str | None:
+    """The address `ray job submit` takes for this cluster (its dashboard), where Ray knows it."""
+    try:
+        url = ray._private.worker.get_dashboard_url()
+    except Exception:  # noqa: BLE001 - only a hint for the run's summary
+        return None
+    return url if not url or url.startswith("http") else f"http://{url}"
+
+
 def recoverable_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean an actor, its node or its objects are gone (the run itself is sound)."""
 
-    return (
-        rex.RayActorError,
-        rex.ActorUnavailableError,
-        rex.NodeDiedError,
-        rex.WorkerCrashedError,
-        rex.ObjectLostError,
-        rex.OwnerDiedError,
-        rex.ActorPlacementGroupRemoved,
-        TimeoutError,
-    )
+    return (*LOST, rex.ObjectLostError, TimeoutError)
 
 
 def adapter_spec(cfg: Config):
@@ -146,6 +150,7 @@ def spawn(cfg: Config, plan: placement.Plan, waits: Waits) -> Actors:
     names = ["consolidator", "evaluator"] + [f"trainer-{r}" for r in range(plan.num_pairs)]
     names += [f"rollout-{i}" for i in range(plan.num_rollouts)]
     actors.nodes = dict(zip(names, head + [s["node"] for s in started]))
+    actors.device_name = started[0]["device_name"]
     write_placement(cfg, actors.nodes)
     return actors
 

@@ -96,6 +96,12 @@ def warm_start_step(actors: Actors, seeds: list[int], lr: float, waits: Waits) -
     return done[0]
 
 
+def validate(actors: Actors, mazes: list, waits: Waits) -> dict:
+    """The greedy play's summary on these training mazes (the warm start's validation set)."""
+    ref = actors.evaluator.validate.remote(mazes, actors.rollouts)
+    return waits.one(ref, "eval", actors.label("evaluator"))
+
+
 def evaluate(actors: Actors, step: int, waits: Waits) -> dict:
     """The held-out mazes played greedily through the rollout actors; the evaluator's summary, `eval_` prefixed."""
     ref = actors.evaluator.evaluate.remote(step, actors.rollouts)
@@ -145,6 +151,10 @@ def merge_rollout(summaries: list[dict], seconds: float) -> dict:
             "context_tokens_mean",
         )
     }
+    out.update(
+        rollout_context_tokens=sum(s.get("context_tokens", 0.0) for s in summaries),
+        rollout_images=sum(s.get("images", 0.0) for s in summaries),
+    )
     tokens = sum(s["generated_tokens"] for s in summaries)
     out.update(
         rollout_episodes=n, rollout_generated_tokens=tokens, rollout_generated_tokens_per_s=tokens / max(seconds, 1e-9)

@@ -17,9 +17,12 @@ from app.config import Config, ConfigError
 from app.config.adapter_init import read_adapter_init
 from app.model.build import ensure_model, model_folder
 from app.model.load import load_processor
-from app.rollout.encoding import ChatCodec
+from app.observe.efficiency import ModelFlops
+from app.rollout.encoding import ChatCodec, as_image
 from app.rollout.episodes import context_budget
 from app.storage import S3Store, StorageUnavailable, open_store
+from app.world.maze import generate_maze
+from app.world.render import render
 from app.world.rules import EpisodeSettings
 
 
@@ -88,3 +91,12 @@ def describe_preflight(cfg: Config) -> list[str]:
     else:
         lines.append("context: measured against rollout.max_model_len at the run's start, once the model is there")
     return lines
+
+
+def model_flops(cfg: Config) -> ModelFlops:
+    """The model's FLOP counts (app/observe/efficiency.py): its parameters, and the patches of one maze picture."""
+    model_dir = str(ensure_model(cfg.model, model_cache(cfg)))
+    codec = ChatCodec(load_processor(model_dir))
+    image = as_image(render(generate_maze(0, cfg.maze.size), (1, 1), cfg.maze.cell_px))
+    t, h, w = codec.image_grid(image)
+    return ModelFlops.for_model(model_dir, t * h * w)

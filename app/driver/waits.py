@@ -4,8 +4,10 @@
 behind a surviving one that waits in a collective for it), a line is logged every `waits.report_every_s` while
 results are outstanding (naming the actors not done yet and their nodes), and past the phase's bound the wait is a
 `Stall`: logged with what waits on what, counted, and answered by the driver loop like a lost actor (release
-everything, recover from the newest checkpoint). A phase's bound is `waits.phase_s`, or, once the run has
-finished that phase a few times, `waits.stall_factor` times its median (never under `waits.stall_floor_s`).
+everything, recover from the newest checkpoint). A call that fails with its own error while a peer in the same wait
+is lost (a surviving rank's collective reset by the lost rank) raises the loss, not the consequence.
+A phase's bound is `waits.phase_s`, or, once the run has finished that phase a few times, `waits.stall_factor`
+times its median (never under `waits.stall_floor_s`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,21 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import ray
+import ray.exceptions as rex
 
 from app.config import WaitConfig
 
 log = logging.getLogger("mazerl.waits")
+
+# What a lost actor or node raises; anything else is the actor's own error.
+LOST = (
+    rex.RayActorError,
+    rex.ActorUnavailableError,
+    rex.NodeDiedError,
+    rex.WorkerCrashedError,
+    rex.OwnerDiedError,
+    rex.ActorPlacementGroupRemoved,
+)
 
 # Phases whose first occurrences are not typical (engine warm-up, compilation): the median needs a few.
 MEDIAN_AFTER = 3
@@ -66,7 +79,13 @@ class Waits:
             timeout = max(0.0, min(next_report, start + bound) - now)
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
             for ref in ready:
-                ray.get(ref)  # raises now if this actor failed, whatever the others are doing
+                try:
+                    ray.get(ref)  # raises now if this actor failed, whatever the others are doing
+                except LOST:
+                    raise
+                except rex.RayTaskError as error:
+                    self._raise_a_lost_peer(pending, ref, error)
+                    raise
                 pending.pop(ref)
             if pending and time.monotonic() >= next_report:
                 log.info(
@@ -85,6 +104,21 @@ class Waits:
 
     def one(self, ref, phase: str, holder: str, bound_s: float | None = None):
         return self.gather([ref], phase, [holder], bound_s)[0]
+
+    def _raise_a_lost_peer(self, pending: dict, failed, error: BaseException) -> None:
+        """Raises the loss of another actor of this wait if one is found within waits.lost_peer_s."""
+        others = [r for r in pending if r != failed]
+        deadline = time.monotonic() + self.cfg.lost_peer_s
+        while others and time.monotonic() < deadline:
+            ready, others = ray.wait(others, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except LOST as lost:
+                    log.warning("%s failed after %s was lost: %s", pending[failed], pending[ref], error.cause)
+                    raise lost from error
+                except Exception:  # noqa: BLE001 - another consequence; keep looking for the cause
+                    continue
 
     def _stall(self, stall: Stall) -> None:
         self.stalls += 1

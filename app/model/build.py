@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -91,8 +92,11 @@ def ensure_model(model_cfg: ModelConfig, cache_root: str | os.PathLike) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    started = time.perf_counter()
+    log.info("building the tiny model (tokenizer, processor, random weights) in %s: about 10 s, once", out)
     try:
         build_tiny_model(model_cfg.tiny, tmp)
+        log.info("tiny model built in %.0f s", time.perf_counter() - started)
         try:
             os.rename(tmp, out)
         except OSError:  # another process finished first; its model is identical

@@ -61,6 +61,14 @@ EXPORTED = {
     "eval_why_first_try_toward": "share of held-out moves tried (not repeats) along a shortest path",
     "eval_why_first_try_open_room": "the same as first_try_open, made from rooms only: seeing walls, not positions",
     "train_logprob_mismatch_max": "max |trainer - rollout| logprob on sampled tokens",
+    "rollout_mfu": "the rollout phase's FLOP utilisation: 2*N per context token and 2*N_vision per picture patch, "
+    "over its time and the GPUs' peak (metrics.peak_tflops)",
+    "train_mfu": "the train phase's FLOP utilisation: 4*N per forward token (6*N with gradient checkpointing), over "
+    "its time and the GPUs' peak",
+    "rollout_floor_s": "the least time the rollout phase's work could take at the GPUs' peak",
+    "train_floor_s": "the least time the train phase's work could take at the GPUs' peak",
+    "rollout_tflop": "the rollout phase's work, TFLOP",
+    "train_tflop": "the train phase's work, TFLOP",
     "time_rollout_s": "rollout phase duration",
     "time_train_s": "train phase duration",
     "time_sync_s": "LoRA sync duration",
@@ -89,6 +97,16 @@ def prometheus_name(name: str) -> str:
     return f"{RAY_NAMESPACE}_{ray_metric_name(name)}"
 
 
+def format_duration(seconds: float) -> str:
+    """12 s, 3 min 05 s, 1 h 02 min: what a person reads at a glance."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
 class MetricsSink:
     def __init__(
         self, run_dir: str | Path, run_name: str, total_steps: int, prometheus: bool = True, progress_bar: bool = True
@@ -101,6 +119,7 @@ class MetricsSink:
         self._export_failed = False
         self._bar = None
         self.latest_solve_rate: float | None = None
+        self._step_times: list[tuple[int, float]] = []  # (step, when recorded): the time left is estimated from them
         if progress_bar and sys.stderr.isatty():
             self._bar = tqdm(total=total_steps, desc=f"mazerl {run_name}", unit="step", dynamic_ncols=True)
 
@@ -131,7 +150,29 @@ class MetricsSink:
                 gauge = self._gauges[name] = Gauge(ray_metric_name(name), description=EXPORTED[name], tag_keys=("run",))
             gauge.set(float(value), tags={"run": self.run_name})
 
+    def _left(self, step: int) -> str:
+        """About how long the steps left take, from the median of the recent steps' durations."""
+        self._step_times.append((step, time.time()))
+        recent = self._step_times[-11:]
+        gaps = sorted((t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(recent, recent[1:]) if s1 > s0)
+        if not gaps or step >= self.total_steps:
+            return ""
+        return f"~{format_duration(gaps[len(gaps) // 2] * (self.total_steps - step))} left"
+
     def _console(self, step: int, m: dict) -> None:
+        if "sft_step" in m:
+            parts = [
+                f"warm start {m['sft_step']}/{m.get('sft_most', '?')}",
+                f"nll {m.get('sft_nll', float('nan')):.3f}",
+            ]
+            if "sft_validation_solve_rate" in m:
+                parts.append(
+                    f"validation solve {100 * m['sft_validation_solve_rate']:.1f}% "
+                    f"(target {100 * m.get('sft_target', 0):.0f}%), "
+                    f"invalid {100 * m['sft_validation_invalid_action_rate']:.0f}%"
+                )
+            print(" | ".join(parts), flush=True)
+            return
         solve = "n/a" if self.latest_solve_rate is None else f"{100 * self.latest_solve_rate:.1f}%"
         parts = [f"step {step}/{self.total_steps}", f"eval solve {solve}"]
         if "rollout_solve_rate" in m:
@@ -147,6 +188,14 @@ class MetricsSink:
         )
         if anatomy:
             parts.append(anatomy)
+        mfu = " ".join(
+            f"{phase} {100 * m[f'{phase}_mfu']:.0f}%" for phase in ("rollout", "train") if f"{phase}_mfu" in m
+        )
+        if mfu:
+            parts.append(f"MFU {mfu}")
+        left = self._left(step) if "time_step_s" in m else ""
+        if left:
+            parts.append(left)
         line = " | ".join(parts)
         if self._bar is not None:
             self._bar.set_postfix_str(f"solve {solve}")

@@ -219,6 +219,11 @@ def step_anatomy(metrics: dict[int, dict]) -> list[tuple[str, float, float]]:
     return rows
 
 
+def _phase_mean(steps: list[dict], key: str) -> float | None:
+    values = [m[key] for m in steps if _finite(m.get(key))]
+    return sum(values) / len(values) if values else None
+
+
 def _html(
     run_dir: Path,
     cfg: dict,
@@ -300,10 +305,17 @@ in {esc(str(episode.get("turns")))} turns
         timed = sum(_finite(metrics[s].get("time_step_s")) for s in steps)
         parts.append(
             f"<h2>Step anatomy</h2><p>Mean over {timed} training steps.</p>"
-            "<table><tr><th class=k>phase</th><th>mean seconds</th><th>share</th></tr>"
+            "<table><tr><th class=k>phase</th><th>mean seconds</th><th>share</th><th>MFU</th>"
+            "<th>floor seconds (at the GPUs' peak)</th></tr>"
         )
+        timed_steps = [metrics[s] for s in steps if _finite(metrics[s].get("time_step_s"))]
         for phase, mean, share in anatomy:
-            parts.append(f"<tr><td class=k>{phase}</td><td>{mean:.2f}</td><td>{_pct(share)}</td></tr>")
+            mfu, floor = (_phase_mean(timed_steps, f"{phase}_{k}") for k in ("mfu", "floor_s"))
+            parts.append(
+                f"<tr><td class=k>{phase}</td><td>{mean:.2f}</td><td>{_pct(share)}</td>"
+                f"<td>{_pct(mfu) if mfu is not None else '-'}</td>"
+                f"<td>{_num(floor) if floor is not None else '-'}</td></tr>"
+            )
         parts.append("</table>")
         last_m = metrics[steps[-1]] if steps else {}
         extra = [

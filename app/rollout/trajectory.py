@@ -109,4 +109,7 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
         "truncated_reply_rate": sum(t.truncated_replies for t in trajectories) / max(turns, 1),
         "generated_tokens": float(sum(t.num_generated_tokens for t in trajectories)),
         "context_tokens_mean": sum(t.num_tokens for t in trajectories) / n,
+        # the tokens and pictures an engine computed: each sequence's context once (prefix caching covers the rest)
+        "context_tokens": float(sum(t.num_tokens for t in trajectories)),
+        "images": float(sum(len(s.image_indices) for t in trajectories for s in t.sequences)),
     }

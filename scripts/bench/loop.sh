@@ -31,7 +31,8 @@ import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 keys = ["time_rollout_s", "time_train_s", "time_sync_s", "time_eval_s", "time_checkpoint_s", "time_step_s",
         "rollout_generated_tokens_per_s", "train_trained_tokens", "train_train_step_s", "train_logprob_mismatch_mean",
-        "train_logprob_mismatch_max", "peak_rss_bytes", "adapter_bytes", "optimizer_bytes", "eval_solve_rate"]
+        "train_logprob_mismatch_max", "peak_rss_bytes", "adapter_bytes", "optimizer_bytes", "eval_solve_rate",
+        "rollout_mfu", "train_mfu", "rollout_floor_s", "train_floor_s", "rollout_tflop", "train_tflop"]
 print("\n=== loop ===")
 for f in sorted(out.glob("metrics_*.jsonl")):
     for line in f.read_text().splitlines():

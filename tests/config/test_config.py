@@ -38,7 +38,7 @@ from app.config import (
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
-TINY, H200, HYPERPOD = CONFIGS / "tiny.yaml", CONFIGS / "h200.yaml", CONFIGS / "hyperpod.yaml"
+TINY, H200, HYPERPOD = ROOT / "tests" / "tiny.yaml", CONFIGS / "h200.yaml", CONFIGS / "hyperpod.yaml"
 
 fast = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

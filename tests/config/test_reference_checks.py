@@ -14,7 +14,7 @@ import pytest
 from app.config import ConfigError, describe, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "configs" / "tiny.yaml"
+TINY = ROOT / "tests" / "tiny.yaml"
 
 
 def adapter_folder(tmp_path: Path, **config) -> Path:

@@ -1,4 +1,6 @@
-"""`ray job submit` against a local `ray start --head` runs the tiny job to completion."""
+"""`ray job submit` against a local `ray start --head` runs the tiny job to completion, from a fresh shell: the
+venv not activated (its bin/ not on PATH), the commands as the README writes them (.venv/bin/ray, and the venv's
+python named by its absolute path, since the job runs in an uploaded copy of the working directory)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ def free_port() -> int:
 
 @pytest.fixture
 def ray_head():
-    """A separate single-node cluster, started as a user would (PATH leads to the venv that has mazerl)."""
+    """A separate single-node cluster, started as the README says, from a shell whose PATH has no venv."""
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}
+    path = ":".join(p for p in os.environ["PATH"].split(":") if p != bin_dir and "/.venv/" not in p + "/")
+    env = {**os.environ, "PATH": path, "RAY_AUTH_MODE": "disabled"}
+    env.pop("VIRTUAL_ENV", None)
     port, dash = free_port(), free_port()
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # Ray's socket paths must stay under 107 characters
     head = subprocess.Popen(
@@ -73,9 +77,10 @@ def ray_head():
 @pytest.mark.slow
 def test_ray_job_submit_trains_the_tiny_job(ray_head, tmp_path):
     address, env = ray_head
+    bin_dir = str(Path(sys.executable).parent)
     out = subprocess.run(
         [
-            "ray",
+            f"{bin_dir}/ray",
             "job",
             "submit",
             "--address",
@@ -83,10 +88,10 @@ def test_ray_job_submit_trains_the_tiny_job(ray_head, tmp_path):
             "--working-dir",
             ".",
             "--",
-            "python",
+            f"{bin_dir}/python",
             "-m",
             "app.main",
-            "configs/tiny.yaml",
+            "tests/tiny.yaml",
             f"output_dir={tmp_path / 'runs'}",
             "train.max_steps=1",
             "train.mazes_per_step=2",

@@ -30,7 +30,7 @@ FAST = [
 def run_main(tmp_path, *overrides):
     from app.main import main
 
-    return main([str(ROOT / "configs" / "tiny.yaml"), f"output_dir={tmp_path}", *FAST, *overrides])
+    return main([str(ROOT / "tests" / "tiny.yaml"), f"output_dir={tmp_path}", *FAST, *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_bounded_steps_on_two_fsdp_ranks_fit_the_bound_in_lockstep(ray_cluster, 
 
 def test_plan_prints_placement_without_starting_anything():
     out = subprocess.run(
-        [sys.executable, "-m", "app.main", "configs/tiny.yaml", "--plan"],
+        [sys.executable, "-m", "app.main", "tests/tiny.yaml", "--plan"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -268,7 +268,7 @@ def test_plan_prints_placement_without_starting_anything():
 )
 def test_bad_config_is_one_message_and_exit_code_2(overrides, field):
     out = subprocess.run(
-        [sys.executable, "-m", "app.main", "configs/tiny.yaml", *overrides],
+        [sys.executable, "-m", "app.main", "tests/tiny.yaml", *overrides],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -104,7 +104,7 @@ def test_the_loop_trains_from_an_adapter_written_by_the_sft_script(ray_cluster, 
     # the loop's episode settings (tests/driver/test_loop.py's FAST), so that both evaluations play the same episodes
     same = ["rollout.max_turns=9", "rollout.max_new_tokens=8", "eval.num_mazes=4"]
     overrides = [f"output_dir={tmp_path}", "sft.steps=3", "sft.lr=3e-3", "sft.mazes_per_step=4", *same]
-    assert sft_main([str(ROOT / "configs" / "tiny.yaml"), str(sft), *overrides]) == 0
+    assert sft_main([str(ROOT / "tests" / "tiny.yaml"), str(sft), *overrides]) == 0
     sft_eval = [json.loads(line) for line in (sft / "sft_log.jsonl").read_text().splitlines()][-1]
     assert run_main(tmp_path, "train.max_steps=1", f"model.adapter_init={sft / 'final'}") == 0
     log = metrics(tmp_path / "tiny")
@@ -130,7 +130,7 @@ def test_storage_that_cannot_be_used_is_one_clear_error_before_any_actor(moto_s3
 
     from app.main import main
 
-    tiny = str(ROOT / "configs" / "tiny.yaml")
+    tiny = str(ROOT / "tests" / "tiny.yaml")
     cases = [
         (["checkpoint.s3_uri=s3://no-such-bucket/run", f"checkpoint.s3_endpoint_url={moto_s3.endpoint_url}"], "s3_uri"),
         (["checkpoint.s3_uri=s3://any/run", "checkpoint.s3_endpoint_url=http://127.0.0.1:9"], "s3_uri"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.s3
+@pytest.mark.timeout(1500)  # beyond the scenario process's own bound, so that the gateway is resumed after it
 def test_the_reference_run_survives_its_node_losses_and_an_s3_outage(ceph_s3, tmp_path):
     bucket = ceph_s3.new_bucket("rehearsal")
     env = {
@@ -26,26 +28,30 @@ def test_the_reference_run_survives_its_node_losses_and_an_s3_outage(ceph_s3, tm
         **ceph_s3.env(),
         "MAZERL_REHEARSAL_S3_URI": f"s3://{bucket}/rehearsal",
         "MAZERL_REHEARSAL_S3_ENDPOINT": ceph_s3.endpoint_url,
+        "MAZERL_REHEARSAL_S3_PID": str(ceph_s3.gateway_pid),
     }
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.driver.scenarios.reference",
-            str(tmp_path),
-            "--bundles-per-node",
-            "1",
-            "--steps",
-            "3",
-            "--scenarios",
-            "clean,worker_lost,head_lost,s3_outage",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=2400,
-    )
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.driver.scenarios.reference",
+                str(tmp_path),
+                "--bundles-per-node",
+                "1",
+                "--steps",
+                "3",
+                "--scenarios",
+                "clean,worker_lost,head_lost,s3_outage",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1380,
+        )
+    finally:  # the scenario resumes the gateway it stops; if it was killed mid-outage, the session's S3 must go on
+        os.kill(ceph_s3.gateway_pid, signal.SIGCONT)
     lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith('{"scenario"') or x.startswith('{"equal')]
     reports = {r["scenario"]: r for r in lines if "scenario" in r}
     assert set(reports) == {"clean", "worker_lost", "head_lost", "s3_outage"}, done.stdout[-3000:] + done.stderr[-3000:]

@@ -4,6 +4,7 @@ while waiting; and the placement checks that turn an impossible placement into a
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -39,7 +40,7 @@ def test_the_first_failure_raises_at_once_while_others_still_wait(ray_cluster):
     import ray
 
     sleep_then = sleeper()
-    waits = Waits(WaitConfig(phase_s=120))
+    waits = Waits(WaitConfig(phase_s=120, lost_peer_s=2))
     survivor = sleep_then.remote(60)  # a rank waiting in a collective for the lost one
     lost = sleep_then.remote(0.2, fail=True)
     start = time.monotonic()
@@ -47,6 +48,33 @@ def test_the_first_failure_raises_at_once_while_others_still_wait(ray_cluster):
         waits.gather([survivor, lost], "train", ["trainer-0", "trainer-1"])
     assert time.monotonic() - start < 15
     ray.cancel(survivor, force=True)
+
+
+def test_a_rank_that_fails_because_its_peer_was_lost_raises_the_loss(ray_cluster):
+    """A surviving rank's collective fails (connection reset) before Ray reports the rank that was lost: the wait
+    raises the loss, which the driver recovers from, not the survivor's error, which would end the run."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def step(self, fail_after: float | None):
+            time.sleep(fail_after if fail_after is not None else 60)
+            raise RuntimeError("Read error: Connection reset by peer")
+
+    survivor, lost = Rank.remote(), Rank.remote()
+    ray.get([survivor.__ray_ready__.remote(), lost.__ray_ready__.remote()])
+    refs = [survivor.step.remote(0.3), lost.step.remote(None)]
+    threading.Timer(2.0, ray.kill, args=(lost,)).start()  # Ray reports the loss after the survivor has failed
+    waits = Waits(WaitConfig(phase_s=120, lost_peer_s=20))
+    with pytest.raises(ray.exceptions.RayActorError):
+        waits.gather(refs, "train", ["trainer-0", "trainer-1"])
+    # no peer lost: the error is the actor's own, raised once the others were given waits.lost_peer_s
+    refs = [survivor.step.remote(0.1), sleeper().remote(60)]
+    start = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match="Connection reset"):
+        Waits(WaitConfig(phase_s=120, lost_peer_s=2)).gather(refs, "train", ["trainer-0", "trainer-1"])
+    assert time.monotonic() - start < 15
+    ray.cancel(refs[1], force=True)
 
 
 def test_past_its_bound_a_wait_is_a_stall_that_names_who_did_not_answer(ray_cluster, caplog):

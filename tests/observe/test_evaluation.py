@@ -27,7 +27,7 @@ def test_sampled_report_counts_every_sample_and_each_maze_solved_at_least_once()
 def test_sampled_play_uses_the_rollout_temperature_and_one_seed_per_held_out_set():
     from app.config import load_config
 
-    cfg = load_config("configs/tiny.yaml", ["rollout.temperature=0.7", "eval.samples=4"])
+    cfg = load_config("tests/tiny.yaml", ["rollout.temperature=0.7", "eval.samples=4"])
     sampling = sampled_sampling(cfg)
     assert (sampling.temperature, sampling.top_p, sampling.seed) == (0.7, cfg.rollout.top_p, cfg.eval.seed + 1)
     assert sampled_sampling(cfg) == sampling  # every evaluation of a run draws alike

@@ -12,7 +12,7 @@ from app.model import adapters
 from scripts.sft import main as sft_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+TINY = os.path.join(ROOT, "tests", "tiny.yaml")
 
 
 def test_sft_writes_an_adapter_the_grpo_job_starts_from(tmp_path, tiny_model_dir, capsys):

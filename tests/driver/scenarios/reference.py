@@ -12,6 +12,8 @@ Scenarios (each a fresh cluster and driver; OUT/<scenario>/ holds its run):
   head_lost        the node of the consolidator (and evaluator) removed while it writes a checkpoint; a replacement
                    joins 10 s later; the previous checkpoint is the one resumed from
   s3_outage        the S3 server stopped (SIGSTOP) for 60 s mid-run: copies wait and catch up, the run goes on
+S3: MAZERL_REHEARSAL_S3_URI, MAZERL_REHEARSAL_S3_ENDPOINT and, for s3_outage, MAZERL_REHEARSAL_S3_PID (the gateway's
+process), with the credentials in the usual AWS_* variables (`python -m tests.s3_server start DIR` prints them all).
 Prints one JSON line a scenario: exit code, steps trained, recoveries, time to detect the loss (from the kill to the
 driver's "lost" line), time to recover (from that line to the next step trained), steps redone, and whether the
 final adapter equals the clean run's bit for bit. In this rehearsal the `head` resource sits on its own node,
@@ -25,16 +27,17 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from tests.driver.scenarios.processes import actor_pids, in_method
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 ROOT = Path(__file__).resolve().parents[3]
-TINY = str(ROOT / "configs" / "tiny.yaml")
+TINY = str(ROOT / "tests" / "tiny.yaml")
 
 
 def settings(bundles: int, steps: int, out: Path, adapter: Path) -> list[str]:
@@ -81,7 +84,8 @@ class Lines(logging.Handler):
 
 def records(run_dir: Path) -> list[dict]:
     log = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [json.loads(x) for x in lines if x.endswith("}")]  # the last line may be half written
 
 
 def steps_of(run_dir: Path) -> list[int]:
@@ -109,16 +113,8 @@ def final_adapter_digest(run_dir: Path) -> str | None:
 
 
 def running_train_steps() -> int:
-    """How many trainer ranks are inside a training step now (Ray's state API; 0 while it cannot answer)."""
-    from ray.util.state import list_tasks
-
-    try:
-        tasks = list_tasks(
-            filters=[("name", "=", "TrainerActor.step"), ("state", "=", "RUNNING")], raise_on_missing_output=False
-        )
-    except Exception:  # noqa: BLE001 - the dashboard serving the API may still be starting on a loaded machine
-        return 0
-    return len(tasks)
+    """How many trainer ranks are inside a training step now."""
+    return sum(in_method(pid, "TrainerActor.step") for pid in actor_pids("trainer-").values())
 
 
 def run_scenario(name: str, out: Path, bundles_per_node: int, steps: int, adapter: Path, s3: list[str]) -> dict:
@@ -160,14 +156,16 @@ def run_scenario(name: str, out: Path, bundles_per_node: int, steps: int, adapte
             cluster.add_node(num_cpus=1, resources={"head": 1})
         elif name == "s3_outage":
             wait_for(lambda: 1 in steps_of(run_dir), 900, 0.5)
-            rgw = int(subprocess.run(["pgrep", "-o", "radosgw"], capture_output=True, text=True).stdout.split()[0])
+            rgw = int(os.environ["MAZERL_REHEARSAL_S3_PID"])
             os.kill(rgw, signal.SIGSTOP)
-            stopped = time.monotonic()
-            steps_during = []
-            while time.monotonic() - stopped < 60:
-                time.sleep(1)
-                steps_during = steps_of(run_dir)
-            os.kill(rgw, signal.SIGCONT)
+            try:
+                stopped = time.monotonic()
+                steps_during = []
+                while time.monotonic() - stopped < 60:
+                    time.sleep(1)
+                    steps_during = steps_of(run_dir)
+            finally:  # a gateway left stopped would hang every later S3 user
+                os.kill(rgw, signal.SIGCONT)
             result["steps_trained_while_s3_was_down"] = sorted(set(steps_during) - {1})
         thread.join(timeout=1800)
     finally:
@@ -215,6 +213,15 @@ def make_adapter(out: Path) -> Path:
     return adapter / "final"
 
 
+def make_bucket(uri: str, endpoint_url: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
+    bucket = uri.removeprefix("s3://").split("/", 1)[0]
+    if bucket not in {b["Name"] for b in client.list_buckets()["Buckets"]}:
+        client.create_bucket(Bucket=bucket)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -222,11 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--scenarios", default="clean,worker_lost,head_lost,s3_outage")
     args = ap.parse_args(argv)
+    if "s3_outage" in args.scenarios.split(",") and not os.environ.get("MAZERL_REHEARSAL_S3_PID"):
+        ap.error("s3_outage stops the S3 gateway: set MAZERL_REHEARSAL_S3_URI, _ENDPOINT and _PID")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     adapter = make_adapter(out)
     s3 = []
     if os.environ.get("MAZERL_REHEARSAL_S3_URI"):
+        make_bucket(os.environ["MAZERL_REHEARSAL_S3_URI"], os.environ["MAZERL_REHEARSAL_S3_ENDPOINT"])
         s3 = [
             f"checkpoint.s3_uri={os.environ['MAZERL_REHEARSAL_S3_URI']}",
             f"checkpoint.s3_endpoint_url={os.environ['MAZERL_REHEARSAL_S3_ENDPOINT']}",

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.driver.scenarios.processes import actor_pids, in_method
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -57,29 +59,12 @@ def wait_for(condition, timeout: float, every: float = 0.2) -> bool:
     return False
 
 
-def actor_pid_from_gcs(name: str) -> int | None:
-    """The actor's process id from Ray's control store (no dashboard needed), once it has one."""
-    from ray._private import state
-
-    for info in state.actors().values():
-        if info.get("Name") == name and info.get("Pid"):
-            return info["Pid"]
-    return None
-
-
-def title(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def run_driver(overrides: list[str], out_dir: str, result: dict) -> threading.Thread:
     from app.main import main as run
 
     def target():
         started = time.monotonic()
-        result["code"] = run([str(ROOT / "configs" / "tiny.yaml"), f"output_dir={out_dir}", *BASE, *overrides])
+        result["code"] = run([str(ROOT / "tests" / "tiny.yaml"), f"output_dir={out_dir}", *BASE, *overrides])
         result["driver_s"] = time.monotonic() - started
 
     thread = threading.Thread(target=target, daemon=True)
@@ -139,9 +124,8 @@ def stuck_rollout(cluster, out_dir: str) -> dict:
     log = Path(out_dir) / "tiny" / "metrics.jsonl"
     if not wait_for(lambda: 1 in trained(log), 600):
         return report(out_dir, result, error="step 1 never came")
-    pids = []
-    wait_for(lambda: pids.append(actor_pid_from_gcs("rollout-0")) or pids[-1], 120)
-    pid = pids[-1]
+    wait_for(lambda: "rollout-0" in actor_pids("rollout-0"), 120)
+    pid = actor_pids("rollout-0")["rollout-0"]
     os.kill(pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
     recovered = wait_for(lambda: trained(log).count(2) >= 1 and len(trained(log)) >= 2, 600)
@@ -161,12 +145,12 @@ def trainer_never_joins(cluster, out_dir: str) -> dict:
     result: dict = {}
     thread = run_driver(["train.max_steps=2", "placement.cpus_per_bundle=1", "waits.actor_start_s=45"], out_dir, result)
     pid: list[int] = []
-    wait_for(lambda: pid.append(actor_pid_from_gcs("trainer-1")) or pid[-1], 300, every=0.01)
-    caught = wait_for(lambda: ".setup" in title(pid[-1]), 120, every=0.005)  # the setup takes seconds
+    wait_for(lambda: pid.extend(actor_pids("trainer-1").values()) or pid, 300, every=0.01)
+    caught = wait_for(lambda: in_method(pid[0], "TrainerActor.setup"), 120, every=0.005)  # the setup takes seconds
     if caught:
-        os.kill(pid[-1], signal.SIGSTOP)
+        os.kill(pid[0], signal.SIGSTOP)
     thread.join(timeout=900)
-    return report(out_dir, result, stopped_pid=pid[-1] if caught else None)
+    return report(out_dir, result, stopped_pid=pid[0] if caught else None)
 
 
 def node_never_returns(cluster, out_dir: str) -> dict:
