@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = settings_from_args(args)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=args.address, namespace="mazerl-serve")
+    # "local", not None, without --address: None joins the cluster named in /tmp/ray/ray_current_cluster, and
+    # waits on it without a word when that cluster is gone
+    ray.init(address=args.address or "local", namespace="mazerl-serve")
     if args.engine == "serve-llm":
         app = build_serve_llm_app(settings, num_replicas=args.replicas)
     else:

