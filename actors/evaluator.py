@@ -30,33 +30,26 @@ class EvaluatorActor:
 
     def validate(self, mazes: list, rollouts: list) -> dict:
         """The greedy summary on these training mazes (the warm start's validation set); nothing is written."""
-        trajectories = self._play(list(enumerate(mazes)), rollouts)
+        trajectories = self._play(mazes, rollouts, 1, self._greedy())
         return {k: v for k, v in eval_report(trajectories, self.cfg.rollout.max_turns).items() if k != "mazes"}
 
-    def _play(self, numbered: list, rollouts: list) -> list:
-        greedy = Sampling(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
-        shares = [[] for _ in rollouts]
-        for i, maze in numbered:
-            shares[i % len(rollouts)].append((maze, i))
-        refs = [actor.play.remote(share, 1, greedy)[1] for actor, share in zip(rollouts, shares) if share]
+    def _greedy(self) -> Sampling:
+        return Sampling(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
+
+    def _play(self, mazes: list, rollouts: list, samples: int, sampling: Sampling) -> list:
+        """Each maze played `samples` times, the mazes shared round-robin over the rollout actors; by maze."""
+        shares = [[(maze, i) for i, maze in enumerate(mazes) if i % len(rollouts) == k] for k in range(len(rollouts))]
+        refs = [actor.play.remote(share, samples, sampling)[1] for actor, share in zip(rollouts, shares) if share]
         return sorted((t for batch in ray.get(refs) for t in batch), key=lambda t: t.group)
 
     def evaluate(self, step: int, rollouts: list) -> dict:
         """Plays every held-out maze once, greedily (and eval.samples times sampled), through these rollout actors;
         writes per-maze outcomes of the greedy play; returns the summary."""
-        trajectories = self._play(list(enumerate(self.mazes)), rollouts)
-        shares = [
-            [(maze, i) for i, maze in enumerate(self.mazes) if i % len(rollouts) == k] for k in range(len(rollouts))
-        ]
+        trajectories = self._play(self.mazes, rollouts, 1, self._greedy())
         report = eval_report(trajectories, self.cfg.rollout.max_turns)
         report.update(diagnosis_metrics(report, self.cfg.maze.size), step=step)
         if self.cfg.eval.samples:
-            refs = [
-                actor.play.remote(share, self.cfg.eval.samples, sampled_sampling(self.cfg))[1]
-                for actor, share in zip(rollouts, shares)
-                if share
-            ]
-            sampled = [t for batch in ray.get(refs) for t in batch]
+            sampled = self._play(self.mazes, rollouts, self.cfg.eval.samples, sampled_sampling(self.cfg))
             report.update(sampled_report(sampled, self.cfg.eval.samples, self.cfg.rollout.temperature))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"eval_step_{step:06d}.json"

@@ -10,17 +10,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from app.observe.metrics import format_duration
+from app.observe.metrics import format_duration, read_log
 from app.observe.run_files import metrics_by_step
 
 PHASES = ("rollout", "train", "sync", "eval", "checkpoint")
-
-
-def _records(run_dir: Path) -> list[dict]:
-    import json
-
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 def _pct(value) -> str:
@@ -59,7 +52,7 @@ def build_summary(
     ray_address: str | None = None,
 ) -> str:
     run_dir = Path(run_dir)
-    records = _records(run_dir)
+    records = read_log(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     evals = [r for r in records if "eval_solve_rate" in r and "sft_step" not in r]
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
     steps = sorted({s for s, m in metrics_by_step(run_dir).items() if "train_loss" in m})

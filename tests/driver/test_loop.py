@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from app.observe.metrics import read_log
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -278,3 +279,18 @@ def test_bad_config_is_one_message_and_exit_code_2(overrides, field):
     assert "Traceback" not in out.stderr
     assert field in out.stderr and "Fix:" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_warm_start_checks_its_validation_mazes_until_the_target_or_its_last_step(ray_cluster, tmp_path):
+    """sft.target_solve_rate: after sft.steps, a greedy check on training mazes set aside every check_every steps;
+    a target not met ends the warm start at sft.max_steps, and GRPO goes on from there."""
+    overrides = ["train.max_steps=1", "sft.steps=2", "sft.check_every=2", "sft.max_steps=5"]
+    overrides += ["sft.target_solve_rate=1.0", "sft.validation_mazes=3", "sft.mazes_per_step=2"]
+    assert run_main(tmp_path, *overrides) == 0
+    records = read_log(tmp_path / "tiny" / "metrics.jsonl")
+    warm = [r for r in records if "sft_step" in r]
+    assert [r["sft_step"] for r in warm] == [1, 2, 3, 4, 5] and {r["sft_most"] for r in warm} == {5}
+    checked = [r["sft_step"] for r in warm if "sft_validation_solve_rate" in r]
+    assert checked == [2, 4]  # from sft.steps, every check_every
+    assert all(r["sft_validation_num_mazes"] == 3 and r["sft_target"] == 1.0 for r in warm if r["sft_step"] in checked)
+    assert [r["step"] for r in records if "train_loss" in r] == [1]
