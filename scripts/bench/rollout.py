@@ -23,6 +23,11 @@ import torch
 class RecordingEngine:
     """Passes calls through to an engine and remembers them for the replay."""
 
+    def stream(self, first, sampling_for, on_reply):
+        from app.rollout.engines.base import Engine
+
+        return Engine.stream(self, first, sampling_for, on_reply)  # lockstep, through generate below
+
     def __init__(self, engine):
         self.engine, self.calls = engine, []
         self.lora_version = engine.lora_version

@@ -133,6 +133,8 @@ BAD = [
     ("list-item-wrong-type", "lora: {target_modules: [q_proj, 3]}\n", [], "lora.target_modules[1]", "quote", False),
     # Literal choices
     ("engine-tgi", "rollout: {engine: tgi}\n", [], "rollout.engine", "'vllm'", False),
+    ("continuous-on-hf", None, ["rollout.engine=hf", "rollout.schedule=continuous"], "rollout.schedule", "vLLM", False),
+    ("process-on-hf", None, ["rollout.engine=hf", "rollout.engine_process=true"], "rollout.engine_process", "vLLM", False),
     (
         "resume-mode-sometimes",
         "checkpoint: {resume_mode: sometimes}\n",

@@ -32,6 +32,8 @@ def make_engine(cfg: Config, model_dir: str, device: str = "cpu", index: int = 0
             enforce_eager=cfg.rollout.enforce_eager,
             seed=cfg.train.seed + index,
             kv_cache_gb=cfg.rollout.kv_cache_gb,
+            schedule=cfg.rollout.schedule,
+            engine_process=cfg.rollout.engine_process,
         )
 
     return HFEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, device=device)

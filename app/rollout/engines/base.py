@@ -9,6 +9,7 @@ log_softmax((logits with vision tokens forbidden) / temperature), temperature 1 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -89,6 +90,30 @@ class Engine(abc.ABC):
         """The adapter generation uses now, read back from where the engine keeps it, in
         app.model.adapters.held_form's layout (compare with held_form of the trainer's tensors); None before the
         first load."""
+
+    def stream(
+        self,
+        first: dict[int, Prompt],
+        sampling_for: Callable[[int], Sampling],
+        on_reply: Callable[[int, Generation], Prompt | None],
+    ) -> None:
+        """Plays conversations to their end: `first` holds each one's opening prompt by key; `on_reply(key, reply)`
+        is called with each reply and returns that conversation's next prompt, or None when it is over. Turn t of
+        every conversation samples with `sampling_for(t)`.
+
+        This default plays in lockstep: turn t of every open conversation is one `generate` call, its request i
+        seeded as that call seeds it. Engines that can take requests while others run override it (VLLMEngine's
+        continuous schedule)."""
+        pending, turn = dict(first), 0
+        while pending:
+            keys = list(pending)
+            replies = self.generate([pending[k] for k in keys], sampling_for(turn))
+            pending = {}
+            for key, reply in zip(keys, replies):
+                following = on_reply(key, reply)
+                if following is not None:
+                    pending[key] = following
+            turn += 1
 
     def sleep(self) -> None:
         """Frees what generation holds (KV cache, weights where the engine can offload) between phases."""

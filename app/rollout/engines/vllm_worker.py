@@ -8,9 +8,54 @@ then replaces the adapter the way `load_inplace` does (remove, add, activate). T
 it touches are pinned by the versions above; tests/rollout/test_engines.py checks outputs against PEFT.
 Method names carry a `mazerl_` prefix: a name that already exists on Worker fails vLLM's assertion.
 `vllm` is imported inside the method: only vLLM's worker process runs it, and only where vLLM is installed.
+
+Tensors cross to the worker by reference when the engine core runs in the caller's process. When it runs in its
+own process, `collective_rpc` arguments go through msgpack, which delivers a tensor as a data-less list: an adapter
+then travels as a CUDA IPC handle of one device buffer (no copy through the host) on a GPU, as safetensors bytes on
+a CPU (`to_wire` / `from_wire`).
 """
 
 from __future__ import annotations
+
+import pickle
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+
+def to_wire(tensors: dict[str, torch.Tensor], by_reference: bool):
+    """The adapter as `collective_rpc` can carry it to the worker (see the module's doc)."""
+    if by_reference:
+        return tensors
+    first = next(iter(tensors.values()), None)
+    if first is not None and first.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
+        index, offset = [], 0
+        for name, t in tensors.items():
+            n = t.numel() * t.element_size()
+            index.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, n])
+            offset += n
+        return ["cuda_ipc", pickle.dumps(reduce_tensor(flat)), index]
+    return ["safetensors", save_safetensors({k: v.contiguous() for k, v in tensors.items()})]
+
+
+def from_wire(payload) -> dict[str, torch.Tensor]:
+    """The worker's own tensors from what `to_wire` sent (the caller's buffer is not kept: it may be freed as
+    soon as the call returns)."""
+    if isinstance(payload, dict):
+        return payload
+    if payload[0] == "safetensors":
+        return load_safetensors(payload[1])
+    rebuild, args = pickle.loads(payload[1])
+    flat = rebuild(*args).clone()
+    torch.cuda.synchronize()
+    return {
+        name: flat[offset : offset + n].view(getattr(torch, dtype)).view(shape)
+        for name, dtype, shape, offset, n in payload[2]
+    }
 
 
 class LoraTensorLoader:
@@ -33,7 +78,7 @@ class LoraTensorLoader:
         model_cls = getattr(manager, "_lora_model_cls", LoRAModel)
         lora = model_cls.from_lora_tensors(
             lora_id,
-            tensors,
+            from_wire(tensors),
             helper,
             device=device,
             dtype=manager.lora_config.lora_dtype,
@@ -56,10 +101,11 @@ class LoraTensorLoader:
     def mazerl_active_lora_ids(self) -> list[int]:
         return sorted(self.model_runner.lora_manager._adapter_manager.list_adapters())
 
-    def mazerl_lora_slots(self, lora_id: int) -> dict:
+    def mazerl_lora_slots(self, lora_id: int, as_bytes: bool = False) -> dict | bytes:
         """The adapter `lora_id` as the layers hold it in their LoRA slot (what generation multiplies by), by
         app.model.adapters.held_name: each stacked q/k/v or gate/up slice under its own projection's name, A
-        [r, in] and B [out, r] (scaled by alpha / r, as vLLM keeps it), trimmed to the adapter's rank."""
+        [r, in] and B [out, r] (scaled by alpha / r, as vLLM keeps it), trimmed to the adapter's rank.
+        as_bytes: the same as safetensors bytes, for a caller in another process."""
         manager = self.model_runner.lora_manager._adapter_manager
         slot = manager.lora_index_to_id.index(lora_id)
         lora = manager._registered_adapters[lora_id]
@@ -76,4 +122,4 @@ class LoraTensorLoader:
                 b = layer.lora_b_stacked[i][slot, 0, :, : lora.rank]
                 held[f"{stem}.{part}.lora_A"] = a.detach().to("cpu", copy=True).contiguous()
                 held[f"{stem}.{part}.lora_B"] = b.detach().to("cpu", copy=True).contiguous()
-        return held
+        return save_safetensors(held) if as_bytes else held

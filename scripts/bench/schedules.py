@@ -1,0 +1,156 @@
+"""One rollout engine configuration measured on the loop's workload: rollout time, GPU busy share, adapter sync.
+
+The workload is scripts/bench/loop.sh's 8B step: 8 mazes x 8 samples, 9x9 mazes at 32 px, 13 turns with the
+whole history, 16 new tokens a reply, temperature 1, a random adapter (r32) pushed the way the trainer pushes it
+(one packed host buffer). Per configuration (one process each, since vLLM reads its process mode at start):
+
+    python scripts/bench/schedules.py --model DIR --schedule lockstep|continuous [--engine-process] [--graphs]
+
+Reported (one JSON line, then a table row): engine start; rollout seconds and generated tokens per round (median of
+--rounds after one warm-up round); the GPU's busy share during the rounds (nvidia-smi's utilization, sampled every
+100 ms); the sync as the loop does it (asleep -> wake the weights, load the adapter, wake the KV cache) and the
+adapter load alone while awake (medians of 3); and whether the adapter the worker holds equals the one sent, bit for
+bit. On a CPU (no --model) it runs the tiny model, to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from app.config import LoraSettings, ModelConfig  # noqa: E402
+from app.model import adapters  # noqa: E402
+from app.model.build import ensure_model  # noqa: E402
+from app.rollout.engines.base import Sampling  # noqa: E402
+from app.rollout.engines.vllm import VLLMEngine  # noqa: E402
+from app.rollout.episodes import EpisodeRequest, play_episodes  # noqa: E402
+from app.world.maze import generate_maze  # noqa: E402
+from app.world.rules import EpisodeSettings  # noqa: E402
+
+
+class GpuBusy:
+    """nvidia-smi's utilization of GPU 0, sampled while the block runs (None without nvidia-smi)."""
+
+    def __enter__(self):
+        self.samples: list[float] = []
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        except FileNotFoundError:
+            self.proc = None
+            return self
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        return self
+
+    def _read(self):
+        for line in self.proc.stdout:
+            first = line.strip().splitlines()[0] if line.strip() else ""
+            if first.isdigit():
+                self.samples.append(float(first))
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+
+    @property
+    def share(self) -> float | None:
+        return round(statistics.mean(self.samples) / 100, 3) if self.samples else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="a Qwen3-VL folder (scripts/make_model.py --shape 8b); none: the tiny model")
+    ap.add_argument("--schedule", choices=["lockstep", "continuous"], default="lockstep")
+    ap.add_argument("--engine-process", action="store_true")
+    ap.add_argument("--graphs", action="store_true", help="CUDA graphs (enforce_eager off)")
+    ap.add_argument("--mazes", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-turns", type=int, default=13)
+    ap.add_argument("--json", help="append the result here")
+    args = ap.parse_args()
+
+    gpu = torch.cuda.is_available()
+    model_dir = args.model or str(ensure_model(ModelConfig(), "/tmp/mazerl-bench-models"))
+    lora = LoraSettings(rank=32, alpha=64) if args.model else LoraSettings(rank=8, alpha=16)
+    start = time.perf_counter()
+    engine = VLLMEngine(
+        model_dir,
+        lora,
+        dtype="bfloat16" if gpu else "float32",
+        max_model_len=8192,
+        max_images=args.max_turns,
+        gpu_memory_utilization=0.45,
+        sleep_level=1,
+        enforce_eager=not args.graphs,
+        schedule=args.schedule,
+        engine_process=args.engine_process,
+    )
+    result = {
+        "schedule": args.schedule,
+        "engine_process": args.engine_process,
+        "graphs": args.graphs,
+        "engine_start_s": round(time.perf_counter() - start, 1),
+    }
+    dtype = torch.bfloat16 if gpu else torch.float32
+    g = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
+    device = "cuda" if gpu else "cpu"
+    tensors = {
+        k: torch.randn(s, generator=g, device=device, dtype=dtype) * 0.01 for k, s in engine.spec.shapes.items()
+    }
+    packed = adapters.pack(tensors)  # what the trainer hands the rollout actors
+    engine.load_lora(packed, 0)
+    held, sent = engine.lora_state(), adapters.held_form(tensors, lora.rank, lora.alpha, dtype)
+    result["held_equal"] = set(held) == set(sent) and all(torch.equal(held[k], sent[k].cpu()) for k in sent)
+
+    syncs, loads = [], []
+    for version in (1, 2, 3):
+        engine.sleep()
+        t = time.perf_counter()
+        engine.load_lora(packed, version)
+        engine.wake()
+        syncs.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        engine.load_lora(packed, version + 10)
+        loads.append(time.perf_counter() - t)
+    result.update(sync_s=round(statistics.median(syncs), 3), load_awake_s=round(statistics.median(loads), 3))
+
+    settings = EpisodeSettings(args.max_turns, 9, 32, 0, 8192)
+    requests = [EpisodeRequest(generate_maze(100 + i // 8, 9), i // 8, i % 8) for i in range(args.mazes * 8)]
+    play_episodes(engine, engine.codec, requests[:16], settings, Sampling(16, 1.0, seed=99))  # warm-up
+    rounds = []
+    for r in range(args.rounds):
+        with GpuBusy() as busy:
+            t = time.perf_counter()
+            played = play_episodes(engine, engine.codec, requests, settings, Sampling(16, 1.0, seed=r))
+            seconds = time.perf_counter() - t
+        rounds.append((seconds, sum(x.num_generated_tokens for x in played), busy.share))
+    result.update(
+        rollout_s=round(statistics.median(s for s, _, _ in rounds), 2),
+        rollout_rounds_s=[round(s, 2) for s, _, _ in rounds],
+        generated_tokens=[n for _, n, _ in rounds],
+        gpu_busy=[b for _, _, b in rounds],
+    )
+    engine.shutdown()
+    print(json.dumps(result), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
