@@ -135,3 +135,42 @@ def test_sync_from_gpu_through_one_pinned_buffer_is_exact(gpu_setup):
     assert [t.actions for t in play_episodes(engine, engine.codec, mazes, settings, greedy)] == [
         t.actions for t in from_dict
     ]
+
+
+@pytest.mark.parametrize("keep_weights", [False, True])
+def test_an_engine_in_its_own_process_takes_the_adapter_by_cuda_ipc_and_sleeps(gpu_setup, keep_weights):
+    """The engine core in its own process: the packed adapter crosses by CUDA IPC and the worker holds it bit for
+    bit; greedy episodes play the same after a sleep and wake (keep_weights: only the KV cache is freed) and after
+    the same adapter is pushed again as a new version."""
+    from app.model import adapters
+    from app.rollout.engines.base import Sampling
+    from app.rollout.engines.vllm import VLLMEngine
+    from app.rollout.episodes import play_episodes
+
+    cfg, model_dir, trainer, shared, settings = gpu_setup
+    shared.sleep()  # the module's engine gives the GPU memory back while this one runs
+    engine = VLLMEngine(
+        model_dir,
+        cfg.lora,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_images=TURNS,
+        gpu_memory_utilization=0.3,
+        sleep_level=1,
+        engine_process=True,
+        keep_weights=keep_weights,
+    )
+    try:
+        tensors = trainer.lora_tensors()
+        engine.load_lora(adapters.pack(tensors), 1)
+        held, sent = engine.lora_state(), adapters.held_form(tensors, cfg.lora.rank, cfg.lora.alpha, torch.bfloat16)
+        assert set(held) == set(sent) and all(torch.equal(held[k], sent[k].cpu()) for k in sent)
+        greedy = Sampling(12, 0.0)
+        before = [t.replies for t in play_episodes(engine, engine.codec, requests(4), settings, greedy)]
+        engine.sleep()
+        engine.load_lora(adapters.pack(tensors), 2)
+        engine.wake()
+        assert [t.replies for t in play_episodes(engine, engine.codec, requests(4), settings, greedy)] == before
+    finally:
+        engine.shutdown()
+        shared.wake()

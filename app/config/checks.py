@@ -136,6 +136,10 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             "vLLM's LoRA kernels on GPU take only bfloat16 or float16 activations (float32 fails at engine start)",
             "set model.dtype=bfloat16, or rollout.engine=hf",
         )
+    if r.keep_weights and r.sleep_level == 0:
+        raise ConfigError(
+            "rollout.keep_weights", "it chooses what sleep frees, and sleep_level 0 never sleeps", "set sleep_level=1"
+        )
     for field, on in (("schedule", r.schedule == "continuous"), ("engine_process", r.engine_process)):
         if on and r.engine != "vllm":
             raise ConfigError(
@@ -145,7 +149,11 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             )
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
-            "rollout.engine", "vllm is not installed in this Python", "run scripts/setup.sh, or set rollout.engine=hf"
+            "rollout.engine",
+            "vllm is not installed in this Python",
+            "run scripts/setup.sh, or set rollout.engine=hf"
+            + (" rollout.engine_process=false" if r.engine_process else "")
+            + (" rollout.schedule=lockstep" if r.schedule == "continuous" else ""),
         )
     if set(cfg.lora.target_modules) & {"qkv", "proj", "linear_fc1", "linear_fc2", "attn.qkv", "attn.proj"}:
         raise ConfigError(

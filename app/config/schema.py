@@ -81,6 +81,11 @@ class RolloutConfig:
     sleep_level: Literal[0, 1] = knob(
         1, "vLLM sleep between phases: 0 never, 1 weights to host memory (2 would wipe the LoRA slots)"
     )
+    keep_weights: bool = knob(
+        False,
+        "with sleep_level 1, free only the KV cache between phases: the weights stay on the GPU, so waking "
+        "and the adapter sync copy nothing back (training has the weights' memory less)",
+    )
     image_history: int = knob(0, "keep only the last K maze images in the context; 0 keeps all", ge=0)
     turn_history: int = knob(
         0,

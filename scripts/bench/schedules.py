@@ -9,8 +9,9 @@ whole history, 16 new tokens a reply, temperature 1, a random adapter (r32) push
 Reported (one JSON line, then a table row): engine start; rollout seconds and generated tokens per round (median of
 --rounds after one warm-up round); the GPU's busy share during the rounds (nvidia-smi's utilization, sampled every
 100 ms); the sync as the loop does it (asleep -> wake the weights, load the adapter, wake the KV cache) and the
-adapter load alone while awake (medians of 3); and whether the adapter the worker holds equals the one sent, bit for
-bit. On a CPU (no --model) it runs the tiny model, to check the script.
+adapter load alone while awake (medians of 3); whether the adapter the worker holds equals the one sent, bit for
+bit; and whether greedy episodes play the same after the sleeps as before them. On a CPU (no --model) it runs the
+tiny model, to check the script.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def main() -> None:
     ap.add_argument("--schedule", choices=["lockstep", "continuous"], default="lockstep")
     ap.add_argument("--engine-process", action="store_true")
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs (enforce_eager off)")
+    ap.add_argument("--keep-weights", action="store_true", help="sleep frees the KV cache only")
     ap.add_argument("--mazes", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-turns", type=int, default=13)
@@ -99,24 +101,31 @@ def main() -> None:
         enforce_eager=not args.graphs,
         schedule=args.schedule,
         engine_process=args.engine_process,
+        keep_weights=args.keep_weights,
     )
     result = {
         "schedule": args.schedule,
         "engine_process": args.engine_process,
         "graphs": args.graphs,
+        "keep_weights": args.keep_weights,
         "engine_start_s": round(time.perf_counter() - start, 1),
     }
     dtype = torch.bfloat16 if gpu else torch.float32
     g = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
     device = "cuda" if gpu else "cpu"
-    tensors = {
-        k: torch.randn(s, generator=g, device=device, dtype=dtype) * 0.01 for k, s in engine.spec.shapes.items()
-    }
+    tensors = {k: torch.randn(s, generator=g, device=device, dtype=dtype) * 0.01 for k, s in engine.spec.shapes.items()}
     packed = adapters.pack(tensors)  # what the trainer hands the rollout actors
     engine.load_lora(packed, 0)
     held, sent = engine.lora_state(), adapters.held_form(tensors, lora.rank, lora.alpha, dtype)
     result["held_equal"] = set(held) == set(sent) and all(torch.equal(held[k], sent[k].cpu()) for k in sent)
 
+    settings = EpisodeSettings(args.max_turns, 9, 32, 0, 8192)
+    requests = [EpisodeRequest(generate_maze(100 + i // 8, 9), i // 8, i % 8) for i in range(args.mazes * 8)]
+
+    def probe() -> list[list[str]]:  # greedy replies: the same before and after sleeping, or the sleep broke state
+        return [t.replies for t in play_episodes(engine, engine.codec, requests[:8:2], settings, Sampling(16, 0.0))]
+
+    before = probe()
     syncs, loads = [], []
     for version in (1, 2, 3):
         engine.sleep()
@@ -128,9 +137,8 @@ def main() -> None:
         engine.load_lora(packed, version + 10)
         loads.append(time.perf_counter() - t)
     result.update(sync_s=round(statistics.median(syncs), 3), load_awake_s=round(statistics.median(loads), 3))
-
-    settings = EpisodeSettings(args.max_turns, 9, 32, 0, 8192)
-    requests = [EpisodeRequest(generate_maze(100 + i // 8, 9), i // 8, i % 8) for i in range(args.mazes * 8)]
+    engine.load_lora(packed, 0)
+    result["same_after_sleeps"] = probe() == before
     play_episodes(engine, engine.codec, requests[:16], settings, Sampling(16, 1.0, seed=99))  # warm-up
     rounds = []
     for r in range(args.rounds):

@@ -134,7 +134,22 @@ BAD = [
     # Literal choices
     ("engine-tgi", "rollout: {engine: tgi}\n", [], "rollout.engine", "'vllm'", False),
     ("continuous-on-hf", None, ["rollout.engine=hf", "rollout.schedule=continuous"], "rollout.schedule", "vLLM", False),
-    ("process-on-hf", None, ["rollout.engine=hf", "rollout.engine_process=true"], "rollout.engine_process", "vLLM", False),
+    (
+        "keep-weights-no-sleep",
+        None,
+        ["rollout.sleep_level=0", "rollout.keep_weights=true"],
+        "rollout.keep_weights",
+        "sleep_level",
+        False,
+    ),
+    (
+        "process-on-hf",
+        None,
+        ["rollout.engine=hf", "rollout.engine_process=true"],
+        "rollout.engine_process",
+        "vLLM",
+        False,
+    ),
     (
         "resume-mode-sometimes",
         "checkpoint: {resume_mode: sometimes}\n",
@@ -610,7 +625,8 @@ def test_override_on_h200_switches_engine_without_vllm(vllm_missing: None) -> No
     with pytest.raises(ConfigError) as info:
         load_config(H200)
     assert info.value.field_path == "rollout.engine"
-    cfg = load_config(H200, ["rollout.engine=hf"])
+    fix = str(info.value).split("rollout.engine=hf", 1)[1].split()  # the whole fix, in overrides
+    cfg = load_config(H200, ["rollout.engine=hf", *[word for word in fix if "=" in word]])
     assert cfg.rollout.engine == "hf" and cfg.run_name == "h200"
 
 

@@ -29,6 +29,7 @@ def make_engine(cfg: Config, model_dir: str, device: str = "cpu", index: int = 0
             max_images=max_images_per_prompt(cfg),
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             sleep_level=cfg.rollout.sleep_level,
+            keep_weights=cfg.rollout.keep_weights,
             enforce_eager=cfg.rollout.enforce_eager,
             seed=cfg.train.seed + index,
             kv_cache_gb=cfg.rollout.kv_cache_gb,

@@ -82,12 +82,13 @@ class VLLMEngine(Engine):
         kv_cache_gb: float = 0.0,
         schedule: str = "lockstep",
         engine_process: bool = False,
+        keep_weights: bool = False,
     ):
         """kv_cache_gb (GPU): the KV cache's size, given instead of measured. vLLM measures it as the memory the
         device lost while it profiled, so engines that start together on one GPU charge each other's allocations to
         themselves (vllm-project/vllm#55827) and one that sees memory come back aborts; a given size skips that.
         schedule: "lockstep" (Engine.stream) or "continuous" (this class's stream). engine_process: vLLM's engine core
-        in its own process."""
+        in its own process. keep_weights: sleep frees the KV cache only (vllm_worker.LoraTensorLoader)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if engine_process:  # a forked engine core cannot use CUDA once this process has touched it
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -97,7 +98,7 @@ class VLLMEngine(Engine):
 
         vllm.envs.disable_envs_cache()  # an earlier engine in this process froze the environment it read
 
-        self.schedule = schedule
+        self.schedule, self.keep_weights = schedule, keep_weights
         self.processor = load_processor(model_path)
         self.codec = ChatCodec(self.processor)
         self.on_gpu = torch.cuda.is_available()
@@ -310,15 +311,23 @@ class VLLMEngine(Engine):
         if self.sleep_level == 0 or self._asleep:
             return
         start = time.perf_counter()
-        self.llm.sleep(level=self.sleep_level)
-        self._asleep, self._weights_awake = True, False
+        if self.keep_weights:
+            self.llm.reset_prefix_cache()  # the cached blocks' contents are about to go
+            self.llm.collective_rpc("mazerl_free_kv_cache")
+            self._asleep = True
+        else:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep, self._weights_awake = True, False
         self._stats["sleep_s"] += time.perf_counter() - start
 
     def wake(self) -> None:
         if not self._asleep:
             return
         start = time.perf_counter()
-        self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        if self.keep_weights:
+            self.llm.collective_rpc("mazerl_restore_kv_cache")
+        else:
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
         self._asleep, self._weights_awake = False, True
         self._stats["wake_s"] += time.perf_counter() - start
 

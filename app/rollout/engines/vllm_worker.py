@@ -98,6 +98,29 @@ class LoraTensorLoader:
         adapters.activate_adapter(lora_id)
         return {"lora_id": lora_id, "modules": len(lora.loras)}
 
+    def mazerl_free_kv_cache(self) -> int:
+        """Unmaps the KV cache's memory and keeps the weights (and the LoRA slots) where they are: vLLM's own sleep
+        either copies the weights to the host (level 1) or drops them (level 2). The virtual addresses stay
+        reserved, so CUDA graphs that point into the cache hold after mazerl_restore_kv_cache. Returns the bytes
+        freed."""
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+        torch.cuda.synchronize()
+        freed = 0
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag == "kv_cache" and not data.is_asleep:
+                unmap_and_release(data.handle)
+                data.is_asleep = True
+                freed += data.handle[1]
+        return freed
+
+    def mazerl_restore_kv_cache(self) -> None:
+        """Maps the KV cache's memory back, empty (the engine's prefix cache was reset before it went)."""
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        CuMemAllocator.get_instance().wake_up(tags=["kv_cache"])
+        self.model_runner.post_kv_cache_wake_up()
+
     def mazerl_active_lora_ids(self) -> list[int]:
         return sorted(self.model_runner.lora_manager._adapter_manager.list_adapters())
 
