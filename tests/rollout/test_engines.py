@@ -256,16 +256,23 @@ def test_vision_tokens_are_never_sampled(image_loving_model, tiny_lora, codec, p
 
 
 def test_vllm_never_samples_vision_tokens(image_loving_model, tiny_lora, codec, prompts):
+    """The engine's batched mask (vllm_logits.ForbidVisionTokens) and vLLM's per-request bad words forbid the same
+    tokens at the same point: equal greedy replies and logprobs, and no vision token sampled either way."""
     from app.rollout.engines.vllm import VLLMEngine
 
-    engine = VLLMEngine(image_loving_model, tiny_lora, max_model_len=2048, max_images=4)
-    try:
-        forbidden = set(codec.forbidden_ids())
-        for temperature in (0.0, 1.0):
-            for gen in engine.generate(prompts, Sampling(max_new_tokens=12, temperature=temperature, seed=0)):
-                assert not forbidden & set(gen.token_ids)
-    finally:
-        engine.shutdown()
+    forbidden, greedy = set(codec.forbidden_ids()), {}
+    for way in ("logits_processor", "bad_words"):
+        engine = VLLMEngine(image_loving_model, tiny_lora, max_model_len=2048, max_images=4, forbid_with=way)
+        try:
+            for temperature in (0.0, 1.0):
+                gens = engine.generate(prompts, Sampling(max_new_tokens=12, temperature=temperature, seed=0))
+                for gen in gens:
+                    assert not forbidden & set(gen.token_ids)
+                if temperature == 0.0:
+                    greedy[way] = gens
+        finally:
+            engine.shutdown()
+    assert_same_generations(greedy["logits_processor"], greedy["bad_words"], tol=1e-5)
 
 
 def load_unmasked_argmax(engine, prompt) -> int:

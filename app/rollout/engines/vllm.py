@@ -83,12 +83,15 @@ class VLLMEngine(Engine):
         schedule: str = "lockstep",
         engine_process: bool = False,
         keep_weights: bool = False,
+        forbid_with: str = "logits_processor",
     ):
         """kv_cache_gb (GPU): the KV cache's size, given instead of measured. vLLM measures it as the memory the
         device lost while it profiled, so engines that start together on one GPU charge each other's allocations to
         themselves (vllm-project/vllm#55827) and one that sees memory come back aborts; a given size skips that.
         schedule: "lockstep" (Engine.stream) or "continuous" (this class's stream). engine_process: vLLM's engine core
-        in its own process. keep_weights: sleep frees the KV cache only (vllm_worker.LoraTensorLoader)."""
+        in its own process. keep_weights: sleep frees the KV cache only (vllm_worker.LoraTensorLoader). forbid_with:
+        how vision tokens are kept out of replies, "logits_processor" (vllm_logits.ForbidVisionTokens) or vLLM's
+        per-request "bad_words" (for benchmarks that compare the two)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if engine_process:  # a forked engine core cannot use CUDA once this process has touched it
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -118,6 +121,11 @@ class VLLMEngine(Engine):
             logprobs_mode="processed_logprobs",
             worker_extension_cls="app.rollout.engines.vllm_worker.LoraTensorLoader",
         )
+        if forbid_with == "logits_processor":
+            kwargs.update(logits_processors=["app.rollout.engines.vllm_logits:ForbidVisionTokens"])
+        elif forbid_with != "bad_words":
+            raise ValueError(f"forbid_with is {forbid_with!r}: logits_processor or bad_words")
+        self.bad_words = list(VISION_TOKENS) if forbid_with == "bad_words" else None
         if mm_processor_cache_gb is not None:  # 0 for benchmarks that replay the same images
             kwargs.update(mm_processor_cache_gb=mm_processor_cache_gb)
         if self.on_gpu:
@@ -233,7 +241,7 @@ class VLLMEngine(Engine):
             top_p=sampling.top_p,
             top_k=0,
             logprobs=0,
-            bad_words=list(VISION_TOKENS),
+            bad_words=self.bad_words,
             detokenize=False,
             stop_token_ids=[self.codec.im_end_id],
             seed=seed if self.on_gpu else None,
