@@ -101,6 +101,11 @@ def wait_for(condition, timeout: float, every: float = 0.05) -> bool:
     return False
 
 
+def writing(checkpoints: Path) -> bool:
+    """Whether a checkpoint is being written (its temporary folder exists)."""
+    return checkpoints.is_dir() and any(p.name.startswith(".tmp-") for p in checkpoints.iterdir())
+
+
 def final_adapter_digest(run_dir: Path) -> str | None:
     import hashlib
 
@@ -148,10 +153,19 @@ def run_scenario(name: str, out: Path, bundles_per_node: int, steps: int, adapte
         elif name == "head_lost":
             ckpts = run_dir / "checkpoints"
             wait_for(lambda: 1 in steps_of(run_dir), 900, 0.5)
-            caught = wait_for(lambda: any(p.name.startswith(".tmp-") for p in ckpts.iterdir()), 600, 0.002)
+            writer = actor_pids("consolidator")["consolidator"]
+            caught, deadline = False, time.monotonic() + 600
+            while not caught and thread.is_alive() and time.monotonic() < deadline:
+                # A checkpoint's temporary folder lives for milliseconds: the writer is frozen the moment one is seen,
+                # and the node is lost only if the folder is still there, so the loss lands inside the write.
+                if wait_for(lambda: writing(ckpts), 5, 0.002):
+                    os.kill(writer, signal.SIGSTOP)
+                    caught = writing(ckpts)
+                    if not caught:
+                        os.kill(writer, signal.SIGCONT)
             cluster.remove_node(head, allow_graceful=False)
             killed_at, lost_step = time.time(), max(steps_of(run_dir))
-            result["caught_mid_write"] = caught and any(p.name.startswith(".tmp-") for p in ckpts.iterdir())
+            result["caught_mid_write"] = caught
             time.sleep(10)
             cluster.add_node(num_cpus=1, resources={"head": 1})
         elif name == "s3_outage":
