@@ -23,7 +23,6 @@ def gpu_setup(tmp_path_factory):
     from app.learning.sft import demonstrations
     from app.learning.training import PolicyTrainer
     from app.model.build import ensure_model
-    from app.rollout.engines.vllm import VLLMEngine
     from app.world.maze import generate_maze
     from app.world.rules import EpisodeSettings
 
@@ -46,7 +45,17 @@ def gpu_setup(tmp_path_factory):
     settings = EpisodeSettings(TURNS, SIZE, CELL, 0, 4096)
     for _ in range(30):  # supervised steps, so the synced adapter changes what the model does
         trainer.sft_step(demonstrations([generate_maze(s, SIZE) for s in range(8)], trainer.codec, settings), 3e-3)
-    engine = VLLMEngine(
+    engine = gpu_engine(model_dir, cfg)
+    engine.load_lora(trainer.lora_tensors(), 1)
+    yield cfg, model_dir, trainer, engine, settings
+    engine.shutdown()
+
+
+def gpu_engine(model_dir: str, cfg, **options):
+    """The bf16 vLLM engine these tests share settings for (eager: no graph capture to wait for)."""
+    from app.rollout.engines.vllm import VLLMEngine
+
+    return VLLMEngine(
         model_dir,
         cfg.lora,
         dtype="bfloat16",
@@ -55,10 +64,8 @@ def gpu_setup(tmp_path_factory):
         gpu_memory_utilization=0.3,
         sleep_level=1,
         enforce_eager=True,
+        **options,
     )
-    engine.load_lora(trainer.lora_tensors(), 1)
-    yield cfg, model_dir, trainer, engine, settings
-    engine.shutdown()
 
 
 def requests(count: int, samples: int = 1):
@@ -144,22 +151,11 @@ def test_an_engine_in_its_own_process_takes_the_adapter_by_cuda_ipc_and_sleeps(g
     the same adapter is pushed again as a new version."""
     from app.model import adapters
     from app.rollout.engines.base import Sampling
-    from app.rollout.engines.vllm import VLLMEngine
     from app.rollout.episodes import play_episodes
 
     cfg, model_dir, trainer, shared, settings = gpu_setup
     shared.sleep()  # the module's engine gives the GPU memory back while this one runs
-    engine = VLLMEngine(
-        model_dir,
-        cfg.lora,
-        dtype="bfloat16",
-        max_model_len=4096,
-        max_images=TURNS,
-        gpu_memory_utilization=0.3,
-        sleep_level=1,
-        engine_process=True,
-        keep_weights=keep_weights,
-    )
+    engine = gpu_engine(model_dir, cfg, engine_process=True, keep_weights=keep_weights)
     try:
         tensors = trainer.lora_tensors()
         engine.load_lora(adapters.pack(tensors), 1)

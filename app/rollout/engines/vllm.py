@@ -222,8 +222,7 @@ class VLLMEngine(Engine):
         finally:
             if waiting:  # an error mid-stream: nothing of this stream may run on into the next
                 engine.abort_request(list(waiting))
-        self._count(0, gens, start)
-        return None
+        self._count(1, gens, start)  # a stream is one call into the engine
 
     def _check_awake(self) -> None:
         if self._asleep:
