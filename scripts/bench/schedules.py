@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--engine-process", action="store_true")
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs (enforce_eager off)")
     ap.add_argument("--keep-weights", action="store_true", help="sleep frees the KV cache only")
-    ap.add_argument("--bad-words", action="store_true", help="vision tokens forbidden by vLLM's per-request bad_words")
+    ap.add_argument("--logits-processor", action="store_true", help="mask by vllm_logits, not bad words")
     ap.add_argument("--mazes", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-turns", type=int, default=13)
@@ -103,14 +103,14 @@ def main() -> None:
         schedule=args.schedule,
         engine_process=args.engine_process,
         keep_weights=args.keep_weights,
-        forbid_with="bad_words" if args.bad_words else "logits_processor",
+        forbid_with="logits_processor" if args.logits_processor else "bad_words",
     )
     result = {
         "schedule": args.schedule,
         "engine_process": args.engine_process,
         "graphs": args.graphs,
         "keep_weights": args.keep_weights,
-        "bad_words": args.bad_words,
+        "bad_words": not args.logits_processor,
         "engine_start_s": round(time.perf_counter() - start, 1),
     }
     dtype = torch.bfloat16 if gpu else torch.float32

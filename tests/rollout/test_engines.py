@@ -256,7 +256,7 @@ def test_vision_tokens_are_never_sampled(image_loving_model, tiny_lora, codec, p
 
 
 def test_vllm_never_samples_vision_tokens(image_loving_model, tiny_lora, codec, prompts):
-    """The engine's batched mask (vllm_logits.ForbidVisionTokens) and vLLM's per-request bad words forbid the same
+    """The batched mask (vllm_logits.ForbidVisionTokens) and vLLM's per-request bad words forbid the same
     tokens at the same point: equal greedy replies and logprobs, and no vision token sampled either way."""
     from app.rollout.engines.vllm import VLLMEngine
 

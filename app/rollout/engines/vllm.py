@@ -83,15 +83,15 @@ class VLLMEngine(Engine):
         schedule: str = "lockstep",
         engine_process: bool = False,
         keep_weights: bool = False,
-        forbid_with: str = "logits_processor",
+        forbid_with: str = "bad_words",
     ):
         """kv_cache_gb (GPU): the KV cache's size, given instead of measured. vLLM measures it as the memory the
         device lost while it profiled, so engines that start together on one GPU charge each other's allocations to
         themselves (vllm-project/vllm#55827) and one that sees memory come back aborts; a given size skips that.
         schedule: "lockstep" (Engine.stream) or "continuous" (this class's stream). engine_process: vLLM's engine core
         in its own process. keep_weights: sleep frees the KV cache only (vllm_worker.LoraTensorLoader). forbid_with:
-        how vision tokens are kept out of replies, "logits_processor" (vllm_logits.ForbidVisionTokens) or vLLM's
-        per-request "bad_words" (for benchmarks that compare the two)."""
+        how vision tokens are kept out of replies: vLLM's per-request "bad_words", or "logits_processor"
+        (vllm_logits.ForbidVisionTokens, one batched write a step; no faster on the H200, BENCHMARKS)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if engine_process:  # a forked engine core cannot use CUDA once this process has touched it
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
