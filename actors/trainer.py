@@ -69,7 +69,7 @@ class TrainerActor:
         trajectories = [t for batch in ray.get(trajectory_refs) for t in batch]
         metrics = self.trainer.train_step(trajectories)
         metrics["step"] = step
-        lora = self.trainer.lora_tensors(on_device=True)  # a collective: every rank takes part
+        lora = self.trainer.trained_tensors(on_device=True)  # a collective: every rank takes part
         packed = pack(lora) if self.rank == 0 else None
         del lora
         self.trainer.release_cached_memory()  # the colocated engine wakes next and needs that memory back
@@ -91,7 +91,7 @@ class TrainerActor:
     def checkpoint_state(self):
         """(adapter, optimizer tensors, rng tensors, JSON) for a checkpoint; rank 0 returns them, others None."""
 
-        adapter = self.trainer.lora_tensors()
+        adapter = self.trainer.trained_tensors()
         optimizer, state = self.trainer.optimizer_state()
         rng, rng_json = capture_rng()
         if self.rank != 0:
@@ -111,7 +111,7 @@ class TrainerActor:
 
     def lora(self):
         """The current adapter (rank 0 returns it, the others None); every rank must be called."""
-        tensors = self.trainer.lora_tensors(on_device=True)
+        tensors = self.trainer.trained_tensors(on_device=True)
         return pack(tensors) if self.rank == 0 else None
 
     def shutdown(self) -> None:

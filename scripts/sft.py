@@ -96,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     def save(name: str) -> Path:
         if args.full:
             return export_full_model(trainer.model, model_dir, out / name, args.save_dtype)
-        return write_peft_folder(trainer.lora_tensors(), trainer.spec, out / name)
+        return write_peft_folder(trainer.trained_tensors(), trainer.spec, out / name)
 
     def evaluate(folder: Path | None) -> dict:
         if args.full:  # the folder as written is what a GRPO run would start from
             return summary(
                 play_held_out(cfg, HFEngine(str(folder), cfg.lora, dtype=cfg.model.dtype, device=args.device))
             )
-        engine.load_lora(trainer.lora_tensors(), engine.lora_version + 1)
+        engine.load_lora(trainer.trained_tensors(), engine.lora_version + 1)
         return summary(play_held_out(cfg, engine))
 
     data = WarmStartData(trainer.codec, settings, cfg.sft, seed=cfg.train.seed)

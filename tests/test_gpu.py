@@ -46,7 +46,7 @@ def gpu_setup(tmp_path_factory):
     for _ in range(30):  # supervised steps, so the synced adapter changes what the model does
         trainer.sft_step(demonstrations([generate_maze(s, SIZE) for s in range(8)], trainer.codec, settings), 3e-3)
     engine = gpu_engine(model_dir, cfg)
-    engine.load_lora(trainer.lora_tensors(), 1)
+    engine.load_lora(trainer.trained_tensors(), 1)
     yield cfg, model_dir, trainer, engine, settings
     engine.shutdown()
 
@@ -87,7 +87,7 @@ def test_vllm_and_trainer_logprobs_agree_after_a_sync(gpu_setup):
     )
     assert metrics["logprob_mismatch_mean"] < 0.02  # bf16 kernels differ; measured 2.5e-3 on an H200
     assert metrics["logprob_mismatch_max"] < 1.0
-    engine.load_lora(trainer.lora_tensors(), 2)  # the update, synced, for the next test
+    engine.load_lora(trainer.trained_tensors(), 2)  # the update, synced, for the next test
 
 
 def test_exported_adapter_in_vllm_gives_the_trainer_models_greedy_actions(gpu_setup, tmp_path):
@@ -100,7 +100,7 @@ def test_exported_adapter_in_vllm_gives_the_trainer_models_greedy_actions(gpu_se
 
     cfg, model_dir, trainer, engine, settings = gpu_setup
     greedy, mazes = Sampling(12, 0.0), requests(8)
-    folder = write_peft_folder(trainer.lora_tensors(), trainer.spec, tmp_path / "adapter")
+    folder = write_peft_folder(trainer.trained_tensors(), trainer.spec, tmp_path / "adapter")
     before = play_episodes(engine, engine.codec, mazes, settings, greedy)
     engine.sleep()
     engine.wake()
@@ -113,7 +113,7 @@ def test_exported_adapter_in_vllm_gives_the_trainer_models_greedy_actions(gpu_se
     finally:
         engine._lora_request = in_memory
     hf = HFEngine(model_dir, cfg.lora, dtype="bfloat16", device="cuda")
-    hf.load_lora(trainer.lora_tensors(), 3)
+    hf.load_lora(trainer.trained_tensors(), 3)
     by_trainer_model = play_episodes(hf, hf.codec, mazes, settings, greedy)
     same = sum(a.actions == b.actions for a, b in zip(from_folder, by_trainer_model))
     print(f"exported adapter in vLLM vs trainer model: {same}/{len(mazes)} episodes with identical actions")
@@ -128,9 +128,9 @@ def test_sync_from_gpu_through_one_pinned_buffer_is_exact(gpu_setup):
     from app.rollout.episodes import play_episodes
 
     cfg, _, trainer, engine, settings = gpu_setup
-    on_gpu = trainer.lora_tensors(on_device=True)
+    on_gpu = trainer.trained_tensors(on_device=True)
     assert {t.device.type for t in on_gpu.values()} == {"cuda"}
-    host = trainer.lora_tensors()
+    host = trainer.trained_tensors()
     packed = pack(on_gpu)
     assert lora_checksum(packed) == lora_checksum(host)
     assert all(torch.equal(v.cpu(), host[k]) for k, v in private_copies(packed, "cuda").items())
@@ -157,7 +157,7 @@ def test_an_engine_in_its_own_process_takes_the_adapter_by_cuda_ipc_and_sleeps(g
     shared.sleep()  # the module's engine gives the GPU memory back while this one runs
     engine = gpu_engine(model_dir, cfg, engine_process=True, keep_weights=keep_weights)
     try:
-        tensors = trainer.lora_tensors()
+        tensors = trainer.trained_tensors()
         engine.load_lora(adapters.pack(tensors), 1)
         held, sent = engine.lora_state(), adapters.held_form(tensors, cfg.lora.rank, cfg.lora.alpha, torch.bfloat16)
         assert set(held) == set(sent) and all(torch.equal(held[k], sent[k].cpu()) for k in sent)

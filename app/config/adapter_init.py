@@ -54,6 +54,12 @@ def read_adapter_init(folder: str | Path) -> AdapterInit:
                 f"the adapter uses {name}; the engines apply plain LoRA scaled by alpha / r",
                 f"start from a plain LoRA adapter ({flag}: false)",
             )
+    if config.get("modules_to_save"):
+        raise ConfigError(
+            FIELD,
+            f"the adapter carries whole modules too ({config['modules_to_save']}); a warm start is a LoRA",
+            "start from a LoRA-only adapter (scripts/sft.py's); lora.modules_to_save trains the tower from the base",
+        )
     targets = config.get("target_modules")
     if not isinstance(targets, list) or not all(isinstance(x, str) for x in targets):
         raise ConfigError(

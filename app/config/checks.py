@@ -55,6 +55,12 @@ def check_sampled_policy_is_trained(cfg: Config) -> None:
 def check_combinations(cfg: Config, check_paths: bool = True) -> None:
     """Checks that involve several fields, the environment, or the file system."""
     m, r, t, p, c = cfg.model, cfg.rollout, cfg.train, cfg.placement, cfg.checkpoint
+    if set(cfg.lora.modules_to_save) - {"visual"}:
+        raise ConfigError(
+            "lora.modules_to_save",
+            f"{cfg.lora.modules_to_save} names a module other than the vision tower",
+            "use [] (the LoRA alone) or [visual] (the LoRA and the vision tower with its mergers)",
+        )
     if cfg.maze.size % 2 == 0:
         raise ConfigError("maze.size", f"{cfg.maze.size} is even", "use an odd size such as 7, 9 or 11")
     need = min_maze_turns(cfg.maze.size)

@@ -45,11 +45,10 @@ class ModelConfig:
 class LoraSettings:
     rank: int = knob(32, "LoRA rank r", ge=1, le=512)
     alpha: int = knob(64, "LoRA alpha; the update is scaled by alpha / rank", ge=1)
-    dropout: float = knob(
-        0.0, "LoRA dropout; must be 0: the engines sample without it (kept for the adapter format)", ge=0.0, lt=1.0
-    )
-    target_modules: list[str] = knob(
-        LANGUAGE_MODEL_PROJECTIONS, "module names that get LoRA; language-model projections only"
+    dropout: float = knob(0.0, "LoRA dropout; must be 0: the engines sample without it", ge=0.0, lt=1.0)
+    target_modules: list[str] = knob(LANGUAGE_MODEL_PROJECTIONS, "module names that get LoRA; LM projections only")
+    modules_to_save: list[str] = knob(
+        [], "whole modules trained beside the LoRA and synced with it (PEFT's): [] or [visual], the vision tower"
     )
 
 

@@ -92,7 +92,7 @@ def recoverable_errors() -> tuple[type[BaseException], ...]:
 def adapter_spec(cfg: Config):
 
     config = AutoConfig.from_pretrained(str(ensure_model(cfg.model, model_cache(cfg))))
-    return AdapterSpec.for_model(config.text_config, cfg.lora)
+    return AdapterSpec.for_model(config.text_config, cfg.lora, config.vision_config)
 
 
 def spawn(cfg: Config, plan: placement.Plan, waits: Waits) -> Actors:

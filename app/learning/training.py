@@ -47,13 +47,16 @@ class PolicyTrainer:
         self.processor = load_processor(model_dir)
         self.codec = ChatCodec(self.processor)
         base = load_model(model_dir, cfg.model.dtype, self.device)
-        self.spec = adapters.AdapterSpec.for_model(base.config.text_config, cfg.lora)
+        self.spec = adapters.AdapterSpec.for_model(base.config.text_config, cfg.lora, base.config.vision_config)
         if cfg.model.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
         torch.manual_seed(cfg.train.seed)  # every rank must initialise the same LoRA before sharding
         self.model = apply_lora(base, cfg.lora, cfg.model.adapter_init)
         train_without_dropout(self.model)
+        if "visual" in cfg.lora.modules_to_save:  # the tower and its mergers train whole beside the LoRA
+            for p in self.model.base_model.model.model.visual.parameters():
+                p.requires_grad_(True)
         if train_base:
             if self.distributed:
                 raise ValueError("full-model SFT runs in one process; train_base with a process group is not supported")
@@ -61,8 +64,8 @@ class PolicyTrainer:
                 p.requires_grad_(True)
         self.vision_cache = None
         if (
-            cfg.train.vision_cache_gb > 0 and not train_base and not self.distributed
-        ):  # why not: app/learning/speedups/vision_cache.py
+            cfg.train.vision_cache_gb > 0 and not train_base and not self.distributed and not cfg.lora.modules_to_save
+        ):  # why not: app/learning/speedups/vision_cache.py; a trained tower changes its outputs every step
             self.vision_cache = VisionCache(self.model.base_model.model.model, int(cfg.train.vision_cache_gb * 2**30))
         if self.distributed:
             self._shard_with_fsdp2()
@@ -322,17 +325,25 @@ class PolicyTrainer:
         }
 
     # ------------------------------------------------------------ the adapter
-    def lora_tensors(self, on_device: bool = False) -> dict[str, torch.Tensor]:
-        """The full LoRA under PEFT's names, as copies (a collective under FSDP: every rank must call it).
+    def _trained_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The adapter's parameters by PEFT's saved name: the LoRA, and the vision tower when it trains."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            peft_name = next(iter(adapters.normalize_keys({name: None})))
+            if peft_name in self.spec.shapes:
+                out[peft_name] = p
+        return out
+
+    def trained_tensors(self, on_device: bool = False) -> dict[str, torch.Tensor]:
+        """The full adapter under PEFT's names (the LoRA, plus the vision tower's weights when lora.modules_to_save
+        names it), as copies (a collective under FSDP: every rank must call it).
 
         on_device keeps them on the training device, for app.model.adapters.pack's single transfer to the host."""
         out = {}
-        for name, p in self.model.named_parameters():
-            if "lora_" not in name:
-                continue
+        for name, p in self._trained_parameters().items():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             out[name] = full.detach().clone() if on_device else full.detach().to("cpu", copy=True).contiguous()
-        return adapters.normalize_keys(out)
+        return out
 
     # ------------------------------------------------------------ checkpoint state
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -360,12 +371,12 @@ class PolicyTrainer:
         adapter = adapters.normalize_keys(adapter)
         adapters.validate(adapter, self.spec)
         names = {
-            next(iter(adapters.normalize_keys({n: None}))): n for n, _ in self.model.named_parameters() if "lora_" in n
+            next(iter(adapters.normalize_keys({n: None}))): n
+            for n, _ in self.model.named_parameters()
+            if next(iter(adapters.normalize_keys({n: None}))) in self.spec.shapes
         }
-        full = {
-            names[k]: v.to(torch.float32 if self.params[0].dtype == torch.float32 else v.dtype)
-            for k, v in adapter.items()
-        }
+        dtypes = {k: p.dtype for k, p in self._trained_parameters().items()}
+        full = {names[k]: v.to(dtypes[k]) for k, v in adapter.items()}
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, full, options=options)
         if optimizer and json_state:

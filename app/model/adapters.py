@@ -10,6 +10,7 @@ B is [out, r].
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import warnings
@@ -25,6 +26,8 @@ from app.config import LoraSettings
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model.model.language_model.layers"
+# The vision tower (with its mergers) when trained whole beside the LoRA: PEFT's modules_to_save names for it
+VISION_PREFIX = "base_model.model.model.visual."
 _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 # Wrapper segments that FSDP, activation checkpointing or torch.compile put into parameter names.
 _WRAPPER_SEGMENTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
@@ -38,23 +41,32 @@ class AdapterMismatch(ValueError):
 class AdapterSpec:
     """What a valid adapter for one base model and LoRA setting looks like."""
 
-    shapes: dict[str, tuple[int, int]]
+    shapes: dict[str, tuple[int, ...]]
     rank: int
     alpha: int
     target_modules: tuple[str, ...]
+    modules_to_save: tuple[str, ...] = ()  # ("visual",): the vision tower's every weight, trained and synced too
 
     @classmethod
-    def for_model(cls, text_config, settings: LoraSettings) -> AdapterSpec:
+    def for_model(cls, text_config, settings: LoraSettings, vision_config=None) -> AdapterSpec:
+        """vision_config: the model's, needed when settings.modules_to_save names the vision tower."""
+        shapes = expected_shapes(text_config, settings.rank, settings.target_modules)
+        if "visual" in settings.modules_to_save:
+            if vision_config is None:
+                raise AdapterMismatch("an adapter that trains the vision tower needs the model's vision config here")
+            shapes.update(vision_shapes(vision_config))
         return cls(
-            expected_shapes(text_config, settings.rank, settings.target_modules),
-            settings.rank,
-            settings.alpha,
-            tuple(settings.target_modules),
+            shapes, settings.rank, settings.alpha, tuple(settings.target_modules), tuple(settings.modules_to_save)
         )
 
     @property
     def num_parameters(self) -> int:
-        return sum(a * b for a, b in self.shapes.values())
+        return sum(math.prod(shape) for shape in self.shapes.values())
+
+    @property
+    def lora_modules(self) -> int:
+        """LoRA-wrapped projections (each an A and a B tensor)."""
+        return sum(is_lora(name) for name in self.shapes) // 2
 
     def peft_config(self, base_model: str = "") -> dict:
         """adapter_config.json contents that PEFT and vLLM both load."""
@@ -69,7 +81,7 @@ class AdapterSpec:
             "bias": "none",
             "use_rslora": False,
             "use_dora": False,
-            "modules_to_save": None,
+            "modules_to_save": list(self.modules_to_save) or None,
             "fan_in_fan_out": False,
             "init_lora_weights": True,
             "inference_mode": True,
@@ -108,9 +120,26 @@ def expected_shapes(text_config, rank: int, target_modules) -> dict[str, tuple[i
     return shapes
 
 
+def vision_shapes(vision_config) -> dict[str, tuple[int, ...]]:
+    """The vision tower's parameters under PEFT's modules_to_save names, from its config (built on the meta device,
+    no memory)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    with torch.device("meta"):
+        tower = Qwen3VLVisionModel._from_config(vision_config)
+    return {VISION_PREFIX + name: tuple(p.shape) for name, p in tower.named_parameters()}
+
+
+def is_lora(name: str) -> bool:
+    return ".lora_A" in name or ".lora_B" in name
+
+
 def held_name(peft_name: str) -> str:
     """`...language_model.layers.3.mlp.up_proj.lora_B.weight` -> `layers.3.mlp.up_proj.lora_B`: a projection's name
-    that PEFT and vLLM (which renames modules and stacks q/k/v) can both be brought to."""
+    that PEFT and vLLM (which renames modules and stacks q/k/v) can both be brought to. A vision tower weight
+    (`...model.visual.blocks.0.attn.qkv.weight`) keeps its name from `visual.` on, vLLM's name for it."""
+    if not is_lora(peft_name):
+        return peft_name[peft_name.index("visual.") :]
     stem = peft_name[peft_name.index("layers.") :]
     return stem[: -len(".weight")] if stem.endswith(".weight") else stem
 
@@ -123,7 +152,7 @@ def held_form(tensors: dict[str, torch.Tensor], rank: int, alpha: float, dtype: 
     out = {}
     for name, tensor in normalize_keys(tensors).items():
         held = tensor.detach().to("cpu", dtype, copy=True)
-        if ".lora_B" in name and scaling != 1:
+        if ".lora_B" in name and scaling != 1:  # the vision tower's weights are held as they are
             held *= scaling
         out[held_name(name)] = held.contiguous()
     return out
@@ -289,10 +318,18 @@ def read_peft_folder(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     return normalize_keys(load_file(str(folder / ADAPTER_WEIGHTS))), config
 
 
-def spec_from_peft_config(text_config, config: dict) -> AdapterSpec:
-    """The spec an adapter folder claims, checked against the base model's shapes."""
+def spec_from_peft_config(text_config, config: dict, vision_config=None) -> AdapterSpec:
+    """The spec an adapter folder claims, checked against the base model's shapes. vision_config: where the caller
+    takes adapters that carry the vision tower (modules_to_save [visual]); without it such an adapter is refused."""
     targets = config.get("target_modules") or []
     if isinstance(targets, str):
         raise AdapterMismatch("adapter_config.json gives target_modules as a regex; list module names instead")
-    settings = LoraSettings(rank=int(config["r"]), alpha=int(config["lora_alpha"]), target_modules=list(targets))
-    return AdapterSpec.for_model(text_config, settings)
+    saved = list(config.get("modules_to_save") or [])
+    if set(saved) - {"visual"}:
+        raise AdapterMismatch(f"the adapter saves whole modules {saved}; only the vision tower ([visual]) is known")
+    if saved and vision_config is None:
+        raise AdapterMismatch("the adapter carries the vision tower (modules_to_save [visual]): LoRA-only path")
+    settings = LoraSettings(
+        rank=int(config["r"]), alpha=int(config["lora_alpha"]), target_modules=list(targets), modules_to_save=saved
+    )
+    return AdapterSpec.for_model(text_config, settings, vision_config)

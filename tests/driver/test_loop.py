@@ -123,7 +123,8 @@ def test_dynamic_sampling_plays_a_second_round_and_trains_on_both(ray_cluster, t
     assert step["train_groups"] == 4
 
 
-def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_path):
+@pytest.mark.parametrize("saved", ["[]", "[visual]"], ids=["lora", "lora_and_vision_tower"])
+def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_path, saved):
     import ray
 
     from actors.rollout import held_checksum
@@ -135,7 +136,7 @@ def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_p
     from app.world.sampler import MazeSampler
     from placement.plan import make_plan
 
-    cfg = absolute_paths(tiny_config(f"output_dir={tmp_path}", *FAST))
+    cfg = absolute_paths(tiny_config(f"output_dir={tmp_path}", *FAST, f"lora.modules_to_save={saved}"))
     waits = Waits(cfg.waits)
     actors = spawn(cfg, make_plan(cfg), waits)
     try:
@@ -294,3 +295,20 @@ def test_the_warm_start_checks_its_validation_mazes_until_the_target_or_its_last
     assert checked == [2, 4]  # from sft.steps, every check_every
     assert all(r["sft_validation_num_mazes"] == 3 and r["sft_target"] == 1.0 for r in warm if r["sft_step"] in checked)
     assert [r["step"] for r in records if "train_loss" in r] == [1]
+
+
+def test_a_job_that_trains_the_vision_tower_checkpoints_and_exports_it(ray_cluster, tmp_path):
+    from app.model import adapters
+
+    assert run_main(tmp_path, "lora.modules_to_save=[visual]", "eval.num_mazes=2") == 0
+    run = tmp_path / "tiny"
+    log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in log if m["step"] >= 1 and "train_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["train_logprob_mismatch_mean"] < 1e-4 for m in steps)  # the engines play the trained tower
+    folders = [p.parent for p in run.rglob(adapters.ADAPTER_CONFIG)]
+    assert folders
+    for folder in folders:
+        tensors, config = adapters.read_peft_folder(folder)
+        assert config["modules_to_save"] == ["visual"]
+        assert any(k.startswith(adapters.VISION_PREFIX) for k in tensors), folder

@@ -70,8 +70,8 @@ def test_trainer_lora_tensors_are_copies_on_the_training_device(tiny_model_dir):
     from app.learning.training import PolicyTrainer
 
     trainer = PolicyTrainer(load_config(None, ["lora.rank=8", "lora.alpha=16"], check_paths=False), tiny_model_dir)
-    on_device = trainer.lora_tensors(on_device=True)
-    host = trainer.lora_tensors()
+    on_device = trainer.trained_tensors(on_device=True)
+    host = trainer.trained_tensors()
     assert set(on_device) == set(trainer.spec.shapes) == set(host)
     assert all(torch.equal(on_device[k], host[k]) for k in host)
     params = {p.data_ptr() for p in trainer.model.parameters()}

