@@ -170,3 +170,39 @@ def test_an_engine_in_its_own_process_takes_the_adapter_by_cuda_ipc_and_sleeps(g
     finally:
         engine.shutdown()
         shared.wake()
+
+
+def test_a_trained_vision_tower_reaches_an_engine_in_its_own_process_bit_for_bit(gpu_setup):
+    """lora.modules_to_save [visual] in bf16 on a GPU: the tower crosses by CUDA IPC with the LoRA (after a sleep
+    that sent the weights to the host), the worker holds it bit for bit, and the engine's logprobs match the
+    trainer's on the episodes it played."""
+    import dataclasses
+
+    from actors.rollout import held_checksum, lora_checksum
+    from app.learning.training import PolicyTrainer
+    from app.model import adapters
+    from app.rollout.engines.base import Sampling
+    from app.rollout.episodes import play_episodes
+
+    cfg, model_dir, _, shared, settings = gpu_setup
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, modules_to_save=["visual"]))
+    shared.sleep()
+    trainer = PolicyTrainer(cfg, model_dir, device="cuda")
+    engine = gpu_engine(model_dir, cfg, engine_process=True)
+    try:
+        engine.sleep()
+        tensors = trainer.trained_tensors(on_device=True)
+        engine.load_lora(adapters.pack(tensors), 1)
+        engine.wake()
+        assert lora_checksum(engine.lora_state()) == held_checksum(tensors, cfg.lora, "bfloat16")
+        trajectories = play_episodes(engine, engine.codec, requests(4, 4), settings, Sampling(12, 1.0, seed=2))
+        for i, t in enumerate(trajectories):
+            t.reward = float(i % 2)
+        metrics = trainer.train_step(trajectories)
+        print(f"tower run: logprob mismatch {metrics['logprob_mismatch_mean']:.2e}")
+        assert metrics["logprob_mismatch_mean"] < 0.02  # the bound of the LoRA-only test above
+    finally:
+        engine.shutdown()
+        del trainer
+        torch.cuda.empty_cache()
+        shared.wake()

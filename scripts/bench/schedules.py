@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs (enforce_eager off)")
     ap.add_argument("--keep-weights", action="store_true", help="sleep frees the KV cache only")
     ap.add_argument("--logits-processor", action="store_true", help="mask by vllm_logits, not bad words")
+    ap.add_argument("--tower", action="store_true", help="the adapter carries the vision tower (modules_to_save)")
     ap.add_argument("--mazes", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-turns", type=int, default=13)
@@ -90,6 +91,8 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     model_dir = args.model or str(ensure_model(ModelConfig(), "/tmp/mazerl-bench-models"))
     lora = LoraSettings(rank=32, alpha=64) if args.model else LoraSettings(rank=8, alpha=16)
+    if args.tower:
+        lora.modules_to_save = ["visual"]
     start = time.perf_counter()
     engine = VLLMEngine(
         model_dir,
@@ -110,6 +113,7 @@ def main() -> None:
         "engine_process": args.engine_process,
         "graphs": args.graphs,
         "keep_weights": args.keep_weights,
+        "tower": args.tower,
         "bad_words": not args.logits_processor,
         "engine_start_s": round(time.perf_counter() - start, 1),
     }
