@@ -30,7 +30,7 @@ from app.learning.speedups.vision_cache import VisionCache
 from app.learning.step_advantages import advantages_for
 from app.learning.trust_region import bounded_step
 from app.model import adapters
-from app.model.load import apply_lora, load_model, load_processor, train_without_dropout
+from app.model.load import apply_lora, load_model, load_processor, train_vision_tower, train_without_dropout
 from app.rollout.encoding import ChatCodec
 from app.rollout.trajectory import Trajectory
 
@@ -55,8 +55,8 @@ class PolicyTrainer:
         self.model = apply_lora(base, cfg.lora, cfg.model.adapter_init)
         train_without_dropout(self.model)
         if "visual" in cfg.lora.modules_to_save:  # the tower and its mergers train whole beside the LoRA
-            for p in self.model.base_model.model.model.visual.parameters():
-                p.requires_grad_(True)
+            # FSDP2's mixed precision casts for itself
+            train_vision_tower(self.model, None if self.distributed else getattr(torch, cfg.model.dtype))
         if train_base:
             if self.distributed:
                 raise ValueError("full-model SFT runs in one process; train_base with a process group is not supported")
@@ -325,14 +325,11 @@ class PolicyTrainer:
         }
 
     # ------------------------------------------------------------ the adapter
-    def _trained_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """The adapter's parameters by PEFT's saved name: the LoRA, and the vision tower when it trains."""
-        out = {}
-        for name, p in self.model.named_parameters():
-            peft_name = next(iter(adapters.normalize_keys({name: None})))
-            if peft_name in self.spec.shapes:
-                out[peft_name] = p
-        return out
+    def _trained_parameters(self) -> dict[str, tuple[str, torch.nn.Parameter]]:
+        """The adapter's parameters by PEFT's saved name (the LoRA, and the vision tower when it trains), each with
+        its name in the model."""
+        named = ((next(iter(adapters.normalize_keys({n: None}))), n, p) for n, p in self.model.named_parameters())
+        return {peft_name: (n, p) for peft_name, n, p in named if peft_name in self.spec.shapes}
 
     def trained_tensors(self, on_device: bool = False) -> dict[str, torch.Tensor]:
         """The full adapter under PEFT's names (the LoRA, plus the vision tower's weights when lora.modules_to_save
@@ -340,7 +337,7 @@ class PolicyTrainer:
 
         on_device keeps them on the training device, for app.model.adapters.pack's single transfer to the host."""
         out = {}
-        for name, p in self._trained_parameters().items():
+        for name, (_, p) in self._trained_parameters().items():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             out[name] = full.detach().clone() if on_device else full.detach().to("cpu", copy=True).contiguous()
         return out
@@ -370,13 +367,8 @@ class PolicyTrainer:
 
         adapter = adapters.normalize_keys(adapter)
         adapters.validate(adapter, self.spec)
-        names = {
-            next(iter(adapters.normalize_keys({n: None}))): n
-            for n, _ in self.model.named_parameters()
-            if next(iter(adapters.normalize_keys({n: None}))) in self.spec.shapes
-        }
-        dtypes = {k: p.dtype for k, p in self._trained_parameters().items()}
-        full = {names[k]: v.to(dtypes[k]) for k, v in adapter.items()}
+        trained = self._trained_parameters()
+        full = {trained[k][0]: v.to(trained[k][1].dtype) for k, v in adapter.items()}
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, full, options=options)
         if optimizer and json_state:

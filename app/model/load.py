@@ -63,6 +63,24 @@ def apply_lora(model, settings: LoraSettings, adapter_init: str | os.PathLike | 
     return peft_model
 
 
+def train_vision_tower(peft_model, compute_dtype: torch.dtype | None) -> None:
+    """Makes the vision tower (with its mergers) train whole (lora.modules_to_save [visual]), in float32 master
+    weights as PEFT keeps the LoRA's: a bf16 weight loses any update below 1/256 of itself. compute_dtype: the
+    tower's forward runs under autocast to it, as the engines' bf16 copies compute (None: the caller casts, as
+    FSDP2's mixed precision does)."""
+    tower = peft_model.base_model.model.model.visual
+    tower.float().requires_grad_(True)
+    if compute_dtype in (None, torch.float32):
+        return
+    forward, device_type = tower.forward, next(tower.parameters()).device.type
+
+    def computing_in_dtype(*args, **kwargs):
+        with torch.autocast(device_type, dtype=compute_dtype):
+            return forward(*args, **kwargs)
+
+    tower.forward = computing_in_dtype
+
+
 def assert_language_model_only(peft_model) -> None:
     """Rule 4: LoRA sits on the language model only; vLLM applies none to the vision tower."""
     names = [n for n, _ in peft_model.named_parameters() if "lora_" in n]

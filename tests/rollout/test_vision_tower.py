@@ -173,3 +173,42 @@ def test_a_warm_start_that_carries_the_tower_is_refused_before_anything_starts(t
     folder = adapters.write_peft_folder(trainer.trained_tensors(), trainer.spec, tmp_path / "with_tower")
     with pytest.raises(ConfigError, match=r"model\.adapter_init.*LoRA-only"):
         read_adapter_init(folder)
+
+
+def test_in_bfloat16_the_tower_keeps_float32_weights_and_computes_as_the_engine(tiny_model_dir):
+    """A bf16 run: the tower's weights are float32 masters (a bf16 weight would lose small updates) that compute in
+    bf16, as the engines' copies do, so the trainer-vs-engine mismatch is the LoRA-only run's."""
+    from app.learning.training import PolicyTrainer
+    from app.rollout.engines.hf import HFEngine
+
+    mismatch = {}
+    for saved in ("[]", "[visual]"):
+        cfg = load_config(
+            None,
+            [
+                f"lora.modules_to_save={saved}",
+                "model.dtype=bfloat16",
+                "lora.rank=8",
+                "lora.alpha=16",
+                "maze.size=7",
+                "maze.cell_px=32",
+                "rollout.max_turns=10",
+                "train.micro_batch=8",
+            ],
+            check_paths=False,
+        )
+        trainer = PolicyTrainer(cfg, tiny_model_dir)
+        engine = HFEngine(tiny_model_dir, cfg.lora, dtype="bfloat16")
+        engine.load_lora(trainer.trained_tensors(), 0)
+        requests = [EpisodeRequest(generate_maze(s, 7), s, j) for s in range(2) for j in range(4)]
+        trajectories = play_episodes(engine, engine.codec, requests, SETTINGS, Sampling(12, 1.0, seed=3))
+        for i, t in enumerate(trajectories):
+            t.reward = float(i % 2)
+        mismatch[saved] = trainer.train_step(trajectories)["logprob_mismatch_mean"]
+        if saved == "[visual]":
+            tower = [p for n, p in trainer.model.named_parameters() if ".visual." in n]
+            assert tower and all(p.dtype == torch.float32 and p.requires_grad for p in tower)
+            after = trainer.trained_tensors()
+            engine.load_lora(after, 1)
+            assert lora_checksum(engine.lora_state()) == held_checksum(after, cfg.lora, "bfloat16")
+    assert mismatch["[visual]"] <= mismatch["[]"] * 1.5 + 1e-6, mismatch
