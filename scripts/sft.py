@@ -136,10 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     final = save("final")
     if args.full:
         print(f"model: {final}  (start GRPO from it with model.path={final})")
-    elif cfg.lora.modules_to_save:  # a warm start is a LoRA; this adapter carries the tower too
-        print(f"adapter with the vision tower: {final}  (PeftModel.from_pretrained loads it)")
     else:
-        print(f"adapter: {final}  (start GRPO from it with model.adapter_init={final})")
+        saved = " lora.modules_to_save=[visual]" if cfg.lora.modules_to_save else ""  # the tower travels with it
+        print(f"adapter: {final}  (start GRPO from it with model.adapter_init={final}{saved})")
     return 0
 
 

@@ -1,10 +1,11 @@
 """The warm start's adapter (`model.adapter_init`) read before anything starts, and held to the run's `lora.*`.
 
 The engines, every sync and every exported adapter_config.json use `lora.*`; the trainer loads the adapter's own
-PEFT config. So the two must describe one adapter: the same rank, alpha and target modules, plain LoRA scaled by
-alpha / r. A mismatch would otherwise surface at the first sync (rank, targets), after every actor started, or
-never (alpha: rollouts would sample a differently scaled policy than the one trained). The adapter's dropout is
-not held to anything: the trainer loads it with `lora.dropout`, which is 0 (app/config/checks.py says why).
+PEFT config. So the two must describe one adapter: the same rank, alpha, target modules and whole modules saved
+(the vision tower, `lora.modules_to_save`), plain LoRA scaled by alpha / r. A mismatch would otherwise surface at
+the first sync (rank, targets), after every actor started, or never (alpha: rollouts would sample a differently
+scaled policy than the one trained). The adapter's dropout is not held to anything: the trainer loads it with
+`lora.dropout`, which is 0 (app/config/checks.py says why).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ class AdapterInit:
     rank: int
     alpha: float
     target_modules: tuple[str, ...]
+    modules_to_save: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        return f"LoRA r={self.rank}, alpha={self.alpha:g}, targets {list(self.target_modules)}"
+        saved = f", with {list(self.modules_to_save)}" if self.modules_to_save else ""
+        return f"LoRA r={self.rank}, alpha={self.alpha:g}, targets {list(self.target_modules)}{saved}"
 
 
 def read_adapter_init(folder: str | Path) -> AdapterInit:
@@ -54,11 +57,12 @@ def read_adapter_init(folder: str | Path) -> AdapterInit:
                 f"the adapter uses {name}; the engines apply plain LoRA scaled by alpha / r",
                 f"start from a plain LoRA adapter ({flag}: false)",
             )
-    if config.get("modules_to_save"):
+    saved = config.get("modules_to_save") or []
+    if not isinstance(saved, list) or not set(saved) <= {"visual"}:
         raise ConfigError(
             FIELD,
-            f"the adapter carries whole modules too ({config['modules_to_save']}); a warm start is a LoRA",
-            "start from a LoRA-only adapter (scripts/sft.py's); lora.modules_to_save trains the tower from the base",
+            f"its modules_to_save is {saved!r}; whole modules other than the vision tower ([visual]) are not taken",
+            "start from a LoRA adapter, or one that carries the vision tower only (modules_to_save [visual])",
         )
     targets = config.get("target_modules")
     if not isinstance(targets, list) or not all(isinstance(x, str) for x in targets):
@@ -73,7 +77,7 @@ def read_adapter_init(folder: str | Path) -> AdapterInit:
         raise ConfigError(
             FIELD, "its adapter_config.json has no usable r and lora_alpha", "point it at a PEFT adapter folder"
         ) from None
-    return AdapterInit(rank, alpha, tuple(targets))
+    return AdapterInit(rank, alpha, tuple(targets), tuple(saved))
 
 
 def check_adapter_init(folder: str | Path, lora: LoraSettings) -> AdapterInit:
@@ -97,5 +101,12 @@ def check_adapter_init(folder: str | Path, lora: LoraSettings) -> AdapterInit:
             "lora.target_modules",
             f"they are {sorted(lora.target_modules)}, but {FIELD}'s adapter targets [{listed}]",
             f"set lora.target_modules=[{listed}]",
+        )
+    if set(found.modules_to_save) != set(lora.modules_to_save):
+        listed = ", ".join(found.modules_to_save)
+        raise ConfigError(
+            "lora.modules_to_save",
+            f"it is {list(lora.modules_to_save)}, but {FIELD}'s adapter carries [{listed}]",
+            f"set lora.modules_to_save=[{listed}] (what trains and syncs must be what the adapter holds)",
         )
     return found

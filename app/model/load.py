@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
@@ -55,12 +55,37 @@ def lora_config(settings: LoraSettings):
 def apply_lora(model, settings: LoraSettings, adapter_init: str | os.PathLike | None = None):
     """Wraps the model with a trainable LoRA on the language model (from adapter_init when given)."""
 
-    if adapter_init is not None:
+    if adapter_init is not None and "visual" in settings.modules_to_save:
+        peft_model = get_peft_model(model, lora_config(settings))
+        _load_with_tower(peft_model, adapter_init)
+    elif adapter_init is not None:
         peft_model = PeftModel.from_pretrained(model, str(adapter_init), is_trainable=True)
     else:
         peft_model = get_peft_model(model, lora_config(settings))
     assert_language_model_only(peft_model)
     return peft_model
+
+
+def _load_with_tower(peft_model, folder: str | os.PathLike) -> None:
+    """An adapter folder that carries the vision tower (modules_to_save [visual]) into a LoRA-wrapped model: the LoRA
+    through PEFT, the tower's weights into the model's own (in float32, as they were trained). PEFT's loader would
+    wrap the tower in a second copy of itself, which neither FSDP2's sharding nor the sync expects."""
+    from app.model.adapters import is_lora, read_peft_folder
+
+    tensors, _ = read_peft_folder(folder)
+    lora = {k: v for k, v in tensors.items() if is_lora(k)}
+    result = set_peft_model_state_dict(peft_model, lora)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"{folder}: PEFT did not place {result.unexpected_keys[:3]}")
+    peft_model.base_model.model.model.visual.float()
+    params = dict(peft_model.named_parameters())
+    missing = [k for k in tensors if not is_lora(k) and k not in params]
+    if missing:
+        raise ValueError(f"{folder}: the model has no parameter {missing[0]} ({len(missing)} unknown)")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            if not is_lora(name):
+                params[name].copy_(value)
 
 
 def train_vision_tower(peft_model, compute_dtype: torch.dtype | None) -> None:

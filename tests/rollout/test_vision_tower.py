@@ -4,6 +4,7 @@ from vision outputs of the tower it held before."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -167,12 +168,18 @@ def test_a_checkpointed_tower_comes_back_into_a_fresh_trainer(trainer, tiny_mode
     assert all(torch.equal(restored[k], v) for k, v in tensors.items())
 
 
-def test_a_warm_start_that_carries_the_tower_is_refused_before_anything_starts(trainer, tmp_path):
-    from app.config.adapter_init import read_adapter_init
+def test_a_warm_start_that_carries_the_tower_starts_a_tower_run_and_is_refused_by_a_lora_run(trainer, tmp_path):
+    from app.config.adapter_init import check_adapter_init
+    from app.learning.training import PolicyTrainer
 
-    folder = adapters.write_peft_folder(trainer.trained_tensors(), trainer.spec, tmp_path / "with_tower")
-    with pytest.raises(ConfigError, match=r"model\.adapter_init.*LoRA-only"):
-        read_adapter_init(folder)
+    tensors = trainer.trained_tensors()
+    folder = adapters.write_peft_folder(tensors, trainer.spec, tmp_path / "with_tower")
+    with pytest.raises(ConfigError, match=r"lora\.modules_to_save.*\[visual\]"):
+        check_adapter_init(folder, LoraSettings(rank=8, alpha=16))
+    assert check_adapter_init(folder, TOWER).modules_to_save == ("visual",)
+    cfg = dataclasses.replace(trainer.cfg, model=dataclasses.replace(trainer.cfg.model, adapter_init=str(folder)))
+    started = PolicyTrainer(cfg, trainer.model_dir).trained_tensors()
+    assert set(started) == set(tensors) and all(torch.equal(started[k], v) for k, v in tensors.items())
 
 
 def test_in_bfloat16_the_tower_keeps_float32_weights_and_computes_as_the_engine(tiny_model_dir):
