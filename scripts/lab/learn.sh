@@ -27,7 +27,9 @@
 #   bash scripts/lab/learn.sh grpo OUT WORK MINUTES
 #       GRPO (app.main, vLLM rollouts, LoRA r32) from the chosen checkpoint, resuming from its latest
 #       checkpoint when WORK holds one; beside it on the same GPU the control: the same checkpoint's SFT
-#       continued for the same wall time (continuing the previous control when there is one). The stage takes
+#       continued for the same wall time (continuing the previous control when there is one); CONTROL_TRAINS=same: the
+#       control trains what the GRPO run trains (its LoRA, and the vision tower when EXTRA has
+#       lora.modules_to_save=[visual]) from the same start instead of every weight (the default, full). The stage takes
 #       ~MINUTES + 1.7 minutes (engine start, the control's last evaluation and save; 5.0 took 403 s): in a
 #       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
 #       before the table printed). A GRPO run with CUDA graphs (rollout.enforce_eager=false, as scripts/lab/configs/learn_h200.yaml
@@ -277,10 +279,16 @@ n=$(ls -d "$WORK"/control_*/ 2>/dev/null | wc -l)
 CONTROL_INIT=$WORK/$START
 newest=$(newest_control_model)
 [ -n "$newest" ] && CONTROL_INIT="$WORK/$newest"
+CONTROL_ARGS=(model.path="$CONTROL_INIT" "${SFT_ARGS[@]}")
+if [ "${CONTROL_TRAINS:-full}" = same ]; then  # the GRPO run's trainable set (EXTRA's lora.*), as PEFT adapters
+  CONTROL_ARGS=(model.path="$WORK/$START")
+  [ -n "$newest" ] && [ -f "$WORK/$newest/adapter_config.json" ] && CONTROL_ARGS+=(model.adapter_init="$WORK/$newest")
+  for a in "${SFT_ARGS[@]}"; do [ "$a" = --full ] || CONTROL_ARGS+=("$a"); done
+fi
 control=
 if [ "${CONTROL:-1}" = 1 ]; then  # CONTROL=0: GRPO alone on the GPU (its speed without a neighbour; no new control)
-  python scripts/sft.py "$CFG" "$WORK/control_$((n + 1))" "${OVR[@]}" model.path="$CONTROL_INIT" train.seed=$((43 + n)) \
-    "${SFT_ARGS[@]}" --warmup 10 --max-minutes "$MINUTES" > "$WORK/control_$((n + 1)).log" 2>&1 &
+  python scripts/sft.py "$CFG" "$WORK/control_$((n + 1))" "${OVR[@]}" train.seed=$((43 + n)) \
+    "${CONTROL_ARGS[@]}" --warmup 10 --max-minutes "$MINUTES" > "$WORK/control_$((n + 1)).log" 2>&1 &
   control=$!
 fi
 # the logs come back even when the device call's limit cuts this stage short

@@ -386,3 +386,26 @@ def test_learn_pack_takes_a_running_controls_newest_save_when_it_has_no_final_mo
     assert run_script(["scripts/lab/learn.sh", "pack", str(tmp_path / "pieces"), str(work)]).returncode == 0
     names = tar_names(sorted((tmp_path / "pieces").glob("state.tar.*")))
     assert "control_2/final/model.safetensors" in names and not any("step_12" in n for n in names)
+
+
+def test_learn_grpo_with_the_tower_beside_a_control_that_trains_the_same(sft_then_grpo, tmp_path):
+    """CONTROL_TRAINS=same with lora.modules_to_save=[visual]: GRPO trains the LoRA and the vision tower, and its
+    control continues SFT on that same set from the same start (a PEFT adapter carrying the tower)."""
+    _, work, _ = sft_then_grpo
+    copy = tmp_path / "work"
+    shutil.copytree(work, copy, ignore=shutil.ignore_patterns("runs", "control_*"))  # a fresh GRPO run and control
+    out = tmp_path / "out"
+    done = run_script(
+        ["scripts/lab/learn.sh", "grpo", str(out), str(copy), "3"],
+        CONFIG="tests/tiny.yaml",
+        DEVICE="cpu",
+        EVAL_EVERY="1",
+        CONTROL_TRAINS="same",
+        EXTRA=f"sft.steps=2 train.max_steps=1 lora.modules_to_save=[visual] {SMOKE}",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    grpo = [json.loads(line) for line in (out / "grpo_metrics.jsonl").read_text().splitlines()]
+    assert any(m["step"] == 1 and "train_loss" in m for m in grpo)
+    saved = json.loads((copy / "control_1" / "final" / "adapter_config.json").read_text())
+    assert saved["modules_to_save"] == ["visual"]
+    assert not (copy / "control_1" / "final" / "config.json").exists()  # an adapter, not a whole model
