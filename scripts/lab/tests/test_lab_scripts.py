@@ -152,8 +152,7 @@ def sft_then_grpo(tmp_path_factory):
     root = tmp_path_factory.mktemp("learn")
     out, work = root / "out", root / "work"
     # this is about the stages' plumbing (GRPO's learning has tests/learning/test_learning.py); 6 minutes bound the
-    # stages on
-    # a busy machine, the run itself stops after its one GRPO step and 3 control steps
+    # stages on a busy machine, the run itself stops after its one GRPO step and 3 control steps
     done = run_script(
         ["scripts/lab/learn.sh", "sft+grpo", str(out), str(work), "6"],
         CONFIG="tests/tiny.yaml",
@@ -389,23 +388,13 @@ def test_learn_pack_takes_a_running_controls_newest_save_when_it_has_no_final_mo
 
 
 def test_learn_grpo_with_the_tower_beside_a_control_that_trains_the_same(sft_then_grpo, tmp_path):
-    """CONTROL_TRAINS=same with lora.modules_to_save=[visual]: GRPO trains the LoRA and the vision tower, and its
-    control continues SFT on that same set from the same start (a PEFT adapter carrying the tower)."""
-    _, work, _ = sft_then_grpo
-    copy = tmp_path / "work"
-    shutil.copytree(work, copy, ignore=shutil.ignore_patterns("runs", "control_*"))  # a fresh GRPO run and control
-    out = tmp_path / "out"
-    done = run_script(
-        ["scripts/lab/learn.sh", "grpo", str(out), str(copy), "3"],
-        CONFIG="tests/tiny.yaml",
-        DEVICE="cpu",
-        EVAL_EVERY="1",
-        CONTROL_TRAINS="same",
-        EXTRA=f"sft.steps=2 train.max_steps=1 lora.modules_to_save=[visual] {SMOKE}",
-    )
+    # CONTROL_TRAINS=same: the control continues SFT on GRPO's trainable set (LoRA + tower), as a PEFT adapter
+    copy, out = tmp_path / "work", tmp_path / "out"
+    shutil.copytree(sft_then_grpo[1], copy, ignore=shutil.ignore_patterns("runs", "control_*"))  # fresh runs
+    smoke = f"sft.steps=2 train.max_steps=1 lora.modules_to_save=[visual] {SMOKE}"
+    done = run_script(["scripts/lab/learn.sh", "grpo", str(out), str(copy), "3"], CONFIG="tests/tiny.yaml",
+                      DEVICE="cpu", EVAL_EVERY="1", CONTROL_TRAINS="same", EXTRA=smoke)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    grpo = [json.loads(line) for line in (out / "grpo_metrics.jsonl").read_text().splitlines()]
-    assert any(m["step"] == 1 and "train_loss" in m for m in grpo)
+    assert any(m["step"] == 1 and "train_loss" in m for m in map(json.loads, open(out / "grpo_metrics.jsonl")))
     saved = json.loads((copy / "control_1" / "final" / "adapter_config.json").read_text())
-    assert saved["modules_to_save"] == ["visual"]
-    assert not (copy / "control_1" / "final" / "config.json").exists()  # an adapter, not a whole model
+    assert saved["modules_to_save"] == ["visual"] and not (copy / "control_1" / "final" / "config.json").exists()
