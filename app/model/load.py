@@ -78,14 +78,18 @@ def _load_with_tower(peft_model, folder: str | os.PathLike) -> None:
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"{folder}: PEFT did not place {result.unexpected_keys[:3]}")
     peft_model.base_model.model.model.visual.float()
-    params = dict(peft_model.named_parameters())
-    missing = [k for k in tensors if not is_lora(k) and k not in params]
-    if missing:
-        raise ValueError(f"{folder}: the model has no parameter {missing[0]} ({len(missing)} unknown)")
+    copy_into_parameters(peft_model, {k: v for k, v in tensors.items() if not is_lora(k)})
+
+
+def copy_into_parameters(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Tensors copied into the model's parameters of the same names (a trained vision tower's weights)."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise ValueError(f"the model has no parameter {unknown[0]} ({len(unknown)} unknown)")
     with torch.no_grad():
         for name, value in tensors.items():
-            if not is_lora(name):
-                params[name].copy_(value)
+            params[name].copy_(value)
 
 
 def train_vision_tower(peft_model, compute_dtype: torch.dtype | None) -> None:

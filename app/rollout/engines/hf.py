@@ -14,7 +14,7 @@ from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state
 
 from app.config import LoraSettings
 from app.model import adapters
-from app.model.load import load_model, load_processor, lora_config
+from app.model.load import copy_into_parameters, load_model, load_processor, lora_config
 from app.rollout.encoding import ChatCodec
 from app.rollout.engines.base import Engine, Generation, Prompt, Sampling, logprobs_of
 
@@ -50,10 +50,7 @@ class HFEngine(Engine):
         private = adapters.private_copies(tensors, "cpu", dtype)
         tower = {k: private.pop(k) for k in list(private) if not adapters.is_lora(k)}
         result = set_peft_model_state_dict(self.model, private)
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():  # the vision tower's weights, when the adapter carries them, replace the model's own
-            for name, value in tower.items():
-                params[name].copy_(value)
+        copy_into_parameters(self.model, tower)  # the vision tower's weights, when the adapter carries them
         if getattr(result, "unexpected_keys", None):
             raise adapters.AdapterMismatch(f"PEFT did not place {result.unexpected_keys[:3]}")
         self.lora_version = version

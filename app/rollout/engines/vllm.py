@@ -295,7 +295,7 @@ class VLLMEngine(Engine):
         # the vision tower's weights, when the adapter carries them, under vLLM's names (`visual.blocks.0...`)
         tower = {adapters.held_name(k): private.pop(k) for k in list(private) if not adapters.is_lora(k)}
         payload = to_wire(private, by_reference=self.in_process)
-        if tower:  # first: a reload of weights leaves no LoRA in place
+        if tower:
             loaded = self.llm.collective_rpc("mazerl_load_weights", args=(to_wire(tower, self.in_process),))[0]
             if loaded != len(tower):
                 raise adapters.AdapterMismatch(f"vLLM loaded {loaded} of the vision tower's {len(tower)} tensors")
