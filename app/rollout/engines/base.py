@@ -85,6 +85,13 @@ class Engine(abc.ABC):
         """Makes `tensors` (PEFT names, validated; a dict or app.model.adapters.pack's buffer) the adapter of every
         later generate call. The caller's tensors are never written."""
 
+    def load_vision_tower(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Makes `tensors`, a whole vision tower under PEFT's names (`base_model.model.model.visual.*`), the tower of
+        every later generate call, whatever adapter is loaded. Engines that hold no tower refuse."""
+        from app.model.adapters import AdapterMismatch
+
+        raise AdapterMismatch(f"{type(self).__name__} holds no vision tower to replace")
+
     @abc.abstractmethod
     def lora_state(self) -> dict[str, torch.Tensor] | None:
         """The adapter generation uses now, read back from where the engine keeps it, in

@@ -39,6 +39,7 @@ class HFEngine(Engine):
             "generated_tokens": 0,
             "generate_s": 0.0,
             "lora_loads": 0,
+            "tower_loads": 0,
             "sleeps": 0,
         }
 
@@ -55,6 +56,17 @@ class HFEngine(Engine):
             raise adapters.AdapterMismatch(f"PEFT did not place {result.unexpected_keys[:3]}")
         self.lora_version = version
         self._stats["lora_loads"] += 1
+
+    def load_vision_tower(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copies a whole vision tower (PEFT names, `base_model.model.model.visual.*`) into the model."""
+        dtype = next(self.model.parameters()).dtype
+        tower = adapters.private_copies(adapters.normalize_keys(tensors), "cpu", dtype)
+        unknown = sorted(k for k in tower if not k.startswith(adapters.VISION_PREFIX))
+        if unknown:
+            raise adapters.AdapterMismatch(f"{unknown[0]} is not a vision tower weight ({len(unknown)} such)")
+        adapters.check_finite(tower)
+        copy_into_parameters(self.model, tower)
+        self._stats["tower_loads"] += 1
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Generation]:

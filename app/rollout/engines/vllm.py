@@ -162,6 +162,7 @@ class VLLMEngine(Engine):
             "generate_s": 0.0,
             "lora_loads": 0,
             "lora_load_s": 0.0,
+            "tower_loads": 0,
             "sleeps": 0,
             "sleep_s": 0.0,
             "wake_s": 0.0,
@@ -292,15 +293,11 @@ class VLLMEngine(Engine):
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
         lora_id = version + 2  # ids must be > 0; start-up warm-up ids stay clear of 1
-        # the vision tower's weights, when the adapter carries them, under vLLM's names (`visual.blocks.0...`)
-        tower = {adapters.held_name(k): private.pop(k) for k in list(private) if not adapters.is_lora(k)}
+        # the vision tower's weights, when the adapter carries them
+        tower = {k: private.pop(k) for k in list(private) if not adapters.is_lora(k)}
         payload = to_wire(private, by_reference=self.in_process)
         if tower:
-            loaded = self.llm.collective_rpc("mazerl_load_weights", args=(to_wire(tower, self.in_process),))[0]
-            if loaded != len(tower):
-                raise adapters.AdapterMismatch(f"vLLM loaded {loaded} of the vision tower's {len(tower)} tensors")
-            # vLLM keeps vision outputs by picture past their requests, and no cache key names the tower's weights
-            self.llm.llm_engine.reset_encoder_cache()
+            self._place_tower(tower)
         lora_config = {**self.spec.peft_config(), "modules_to_save": None}  # vLLM's LoRA takes no whole modules
         self.llm.collective_rpc(
             "mazerl_load_lora", args=(payload, lora_config, lora_id, self.spec.lora_modules, device)
@@ -310,6 +307,31 @@ class VLLMEngine(Engine):
         self.lora_version = version
         self._stats["lora_loads"] += 1
         self._stats["lora_load_s"] += time.perf_counter() - start
+
+    def load_vision_tower(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copies a whole vision tower (PEFT names, `base_model.model.model.visual.*`) into the engine's model, for
+        every later generate call, whatever adapter is loaded (the serving app swaps towers between adapters)."""
+        device = "cuda" if self.on_gpu else "cpu"
+        private = adapters.private_copies(adapters.normalize_keys(tensors), device, self.lora_dtype)
+        adapters.check_finite(private)
+        if self._asleep and not self._weights_awake:  # the tower lives in the "weights" pool
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+        self._place_tower(private)
+        self.llm.reset_prefix_cache()  # cached blocks hold vision tokens' keys and values from the old tower
+        self._stats["tower_loads"] += 1
+
+    def _place_tower(self, tower: dict[str, torch.Tensor]) -> None:
+        """Private device copies of tower weights (PEFT names) into the model, under vLLM's names (`visual.…`)."""
+        unknown = sorted(k for k in tower if not k.startswith(adapters.VISION_PREFIX))
+        if unknown:
+            raise adapters.AdapterMismatch(f"{unknown[0]} is not a vision tower weight ({len(unknown)} such)")
+        held = {adapters.held_name(k): v for k, v in tower.items()}
+        loaded = self.llm.collective_rpc("mazerl_load_weights", args=(to_wire(held, self.in_process),))[0]
+        if loaded != len(held):
+            raise adapters.AdapterMismatch(f"vLLM loaded {loaded} of the vision tower's {len(held)} tensors")
+        # vLLM keeps vision outputs by picture past their requests, and no cache key names the tower's weights
+        self.llm.llm_engine.reset_encoder_cache()
 
     def lora_state(self) -> dict[str, torch.Tensor] | None:
         if self._lora_request is None:
