@@ -34,7 +34,13 @@ from app.driver.phases import (
     warm_start_step,
     write_checkpoint,
 )
-from app.driver.preflight import check_context_budget, check_storage, describe_preflight, model_flops
+from app.driver.preflight import (
+    check_context_budget,
+    check_resume,
+    check_storage,
+    describe_preflight,
+    model_flops,
+)
 from app.driver.waits import Waits
 from app.observe.efficiency import peak_tflops, step_efficiency
 from app.observe.metrics import MetricsSink
@@ -268,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, eval_ids, random_starts=cfg.train.random_starts
         )
         check_storage(cfg)
+        check_resume(cfg)
         check_context_budget(cfg)
         ray = connect_ray(cfg)
         placement.check_cluster(plan, ray.cluster_resources())

@@ -44,6 +44,12 @@ def read_adapter_init(folder: str | Path) -> AdapterInit:
             f"{path} cannot be read as JSON ({type(e).__name__})",
             "point it at a PEFT adapter folder whose adapter_config.json PEFT wrote (e.g. scripts/sft.py's)",
         ) from None
+    return parse_adapter_config(config, path)
+
+
+def parse_adapter_config(config: object, path: str | Path) -> AdapterInit:
+    """What a PEFT adapter_config.json (read from `path`) says, refused under model.adapter_init's name when it is
+    not a plain LoRA the engines can apply."""
     if not isinstance(config, dict):
         raise ConfigError(FIELD, f"{path} holds no JSON object", "point it at a PEFT adapter folder")
     if config.get("peft_type", "LORA") != "LORA":
@@ -83,30 +89,35 @@ def read_adapter_init(folder: str | Path) -> AdapterInit:
 def check_adapter_init(folder: str | Path, lora: LoraSettings) -> AdapterInit:
     """The adapter's config, refused with the field to change when it is not the adapter `lora.*` describes."""
     found = read_adapter_init(folder)
+    check_same_adapter(found, lora, f"{FIELD}'s adapter")
+    return found
+
+
+def check_same_adapter(found: AdapterInit, lora: LoraSettings, whose: str, otherwise: str = "") -> None:
+    """ConfigError naming the `lora.*` field where `found` (`whose` adapter) differs; `otherwise`: another fix."""
     if found.rank != lora.rank:
         raise ConfigError(
             "lora.rank",
-            f"it is {lora.rank}, but {FIELD}'s adapter has r={found.rank}",
-            f"set lora.rank={found.rank} (lora.* shapes the engines and the exports)",
+            f"it is {lora.rank}, but {whose} has r={found.rank}",
+            f"set lora.rank={found.rank} (lora.* shapes the engines and the exports){otherwise}",
         )
     if found.alpha != lora.alpha:
         raise ConfigError(
             "lora.alpha",
-            f"it is {lora.alpha}, but {FIELD}'s adapter has lora_alpha={found.alpha:g}",
-            f"set lora.alpha={found.alpha:g}, or the engines would sample a differently scaled policy",
+            f"it is {lora.alpha}, but {whose} has lora_alpha={found.alpha:g}",
+            f"set lora.alpha={found.alpha:g}, or the engines would sample a differently scaled policy{otherwise}",
         )
     if set(found.target_modules) != set(lora.target_modules):
         listed = ", ".join(sorted(found.target_modules))
         raise ConfigError(
             "lora.target_modules",
-            f"they are {sorted(lora.target_modules)}, but {FIELD}'s adapter targets [{listed}]",
-            f"set lora.target_modules=[{listed}]",
+            f"they are {sorted(lora.target_modules)}, but {whose} targets [{listed}]",
+            f"set lora.target_modules=[{listed}]{otherwise}",
         )
     if set(found.modules_to_save) != set(lora.modules_to_save):
         listed = ", ".join(found.modules_to_save)
         raise ConfigError(
             "lora.modules_to_save",
-            f"it is {list(lora.modules_to_save)}, but {FIELD}'s adapter carries [{listed}]",
-            f"set lora.modules_to_save=[{listed}] (what trains and syncs must be what the adapter holds)",
+            f"it is {list(lora.modules_to_save)}, but {whose} carries [{listed}]",
+            f"set lora.modules_to_save=[{listed}] (what trains and syncs must be what the adapter holds){otherwise}",
         )
-    return found

@@ -6,21 +6,25 @@ storage to answer. Each failure is one ConfigError naming the field and the fix 
   output ever makes one anyway, that episode ends as context_full, app/rollout/episodes.py);
 - the storage: the checkpoint and export folders writable, the S3 bucket reachable with the credentials this
   machine has (they are first used at the first checkpoint, after every actor has started);
+- the checkpoint a resume would load: its adapter must be the one `lora.*` describes (a run whose LoRA or
+  trained vision tower changed since the checkpoint would otherwise fail in the trainers, after every actor
+  started, or sample a differently scaled policy than it trains);
 - what `model.adapter_init` holds, for `--plan`.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from app.config import Config, ConfigError
-from app.config.adapter_init import read_adapter_init
+from app.config.adapter_init import check_same_adapter, parse_adapter_config, read_adapter_init
 from app.model.build import ensure_model, model_folder
 from app.model.load import load_processor
 from app.observe.efficiency import ModelFlops
 from app.rollout.encoding import ChatCodec, as_image
 from app.rollout.episodes import context_budget
-from app.storage import S3Store, StorageUnavailable, open_store
+from app.storage import S3Store, StorageUnavailable, checkpoint, open_store
 from app.world.maze import generate_maze
 from app.world.render import render
 from app.world.rules import EpisodeSettings
@@ -70,6 +74,39 @@ def check_storage(cfg: Config) -> None:
                 else "point it at a folder this machine can write"
             )
             raise ConfigError(field, f"{e.reason} ({e})", fix) from None
+
+
+def check_resume(cfg: Config) -> str | None:
+    """The checkpoint the run would resume from (its location; None: it starts afresh), refused with the `lora.*`
+    field to change when its adapter is not the one the config describes. The same order as the consolidator's
+    resume: `checkpoint.resume_path` for resume_mode path, else the shared directory, then S3."""
+    ck = cfg.checkpoint
+    if ck.resume_mode == "none":
+        return None
+    if ck.resume_mode == "path":
+        parent, _, last = ck.resume_path.rstrip("/").rpartition("/")
+        named = re.fullmatch(r"global_step_\d+", last) is not None  # a step folder, else a root of them
+        places = [(parent or ".", last)] if named else [(ck.resume_path, None)]
+    else:
+        places = [(ck.ckpt_path, None)] + ([(f"{ck.s3_uri.rstrip('/')}/checkpoints", None)] if ck.s3_uri else [])
+    for root, name in places:
+        try:
+            s3 = root.startswith("s3://")
+            store = S3Store(root, ck.s3_endpoint_url, max_attempts=2, connect_timeout=5) if s3 else open_store(root)
+            found = checkpoint.resumed_adapter_config(store, name)
+        except StorageUnavailable:
+            continue  # the resume tries the next place too; check_storage names an unreachable bucket
+        if found is None:
+            continue
+        where = store.uri(found[0])
+        afresh = f", or start afresh (checkpoint.resume_mode=none, or another checkpoint.ckpt_path than {root})"
+        try:
+            adapter = parse_adapter_config(found[1], where)
+        except ConfigError as e:
+            raise ConfigError("checkpoint.resume_mode", f"the checkpoint {where}: {e.problem}", afresh[5:]) from None
+        check_same_adapter(adapter, cfg.lora, f"the checkpoint it resumes from ({where})", afresh)
+        return where
+    return None
 
 
 def describe_preflight(cfg: Config) -> list[str]:

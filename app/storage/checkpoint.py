@@ -280,6 +280,20 @@ def find_latest(store_or_root: Store | str) -> CheckpointInfo | None:
     return None
 
 
+def resumed_adapter_config(store: Store, name: str | None = None) -> tuple[str, dict] | None:
+    """(folder, adapter_config.json) of the checkpoint a resume would load (`name`, else the newest whose manifest
+    and adapter config check out), read without the adapter or optimizer: what a run checks before it starts."""
+    for folder in [name] if name else _candidates(store):
+        try:
+            entry = read_manifest(store, folder)["files"].get(ADAPTER_CONFIG)
+            raw = store.get_bytes(f"{folder}/{ADAPTER_CONFIG}")
+            if entry and entry["sha256"] == hashlib.sha256(raw).hexdigest():
+                return folder, json.loads(raw)
+        except (CheckpointCorrupt, FileNotFoundError, ValueError):
+            pass  # skipped here as the resume skips it
+    return None
+
+
 @contextmanager
 def local_copies(store: Store, name: str, fnames: Iterable[str]) -> Iterator[dict[str, Path]]:
     """The folder's files on this machine: in place for a local store, else downloaded to a temp dir."""
