@@ -71,7 +71,7 @@ class PolicyTrainer:
             self._shard_with_fsdp2()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.999), eps=1e-8
+            self._param_groups(cfg.train.lr), weight_decay=cfg.train.weight_decay, betas=(0.9, 0.999), eps=1e-8
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.steps_done = 0
@@ -240,9 +240,9 @@ class PolicyTrainer:
         """One supervised step: token-mean negative log-likelihood of the demonstrated replies."""
         t0 = time.perf_counter()
         if self._sft_optimizer is None:  # its own optimizer: the warm start leaves GRPO's Adam state untouched
-            self._sft_optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+            self._sft_optimizer = torch.optim.AdamW(self._param_groups(lr), weight_decay=0.0)
         for group in self._sft_optimizer.param_groups:  # the caller's schedule (warmup) sets each step's rate
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
         keep = grpo.AdvantageResult([0.0] * len(demonstrations), [True] * len(demonstrations), len(demonstrations), 0)
         everything = build_items(demonstrations, keep)
         items = shard(everything, self.rank, self.world)
@@ -325,6 +325,17 @@ class PolicyTrainer:
         }
 
     # ------------------------------------------------------------ the adapter
+    def _param_groups(self, lr: float) -> list[dict]:
+        """AdamW's groups: the LoRA (with every other trained weight) at `lr`; the vision tower, when it trains
+        whole, at lora.tower_lr_scale times it: one Adam step moves each weight by about the rate, which a
+        low-rank update spreads over r directions and a whole matrix takes in full."""
+        tower = {id(p) for name, (_, p) in self._trained_parameters().items() if not adapters.is_lora(name)}
+        groups = [{"params": [p for p in self.params if id(p) not in tower], "lr": lr, "lr_scale": 1.0}]
+        if tower:
+            scale = self.cfg.lora.tower_lr_scale
+            groups.append({"params": [p for p in self.params if id(p) in tower], "lr": lr * scale, "lr_scale": scale})
+        return groups
+
     def _trained_parameters(self) -> dict[str, tuple[str, torch.nn.Parameter]]:
         """The adapter's parameters by PEFT's saved name (the LoRA, and the vision tower when it trains), each with
         its name in the model."""

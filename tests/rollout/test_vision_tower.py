@@ -219,3 +219,32 @@ def test_in_bfloat16_the_tower_keeps_float32_weights_and_computes_as_the_engine(
             engine.load_lora(after, 1)
             assert lora_checksum(engine.lora_state()) == held_checksum(after, cfg.lora, "bfloat16")
     assert mismatch["[visual]"] <= mismatch["[]"] * 1.5 + 1e-6, mismatch
+
+
+def test_the_tower_trains_at_its_own_rate_in_grpo_and_in_sft(trainer, hf_tower_engine, tiny_model_dir):
+    """lora.tower_lr_scale: Adam's first step moves each weight by about its group's rate, so the tower's largest
+    move is the scale times the LoRA's; the warm start's optimizer scales the same way; a checkpoint keeps it."""
+    from app.learning.training import PolicyTrainer
+
+    with pytest.raises(ConfigError, match=r"lora\.tower_lr_scale"):
+        load_config(None, ["lora.tower_lr_scale=0.1"], check_paths=False)
+    cfg = dataclasses.replace(trainer.cfg, lora=dataclasses.replace(trainer.cfg.lora, tower_lr_scale=0.1))
+    scaled = PolicyTrainer(cfg, tiny_model_dir)
+    assert [g["lr"] for g in scaled.optimizer.param_groups] == [1e-3, pytest.approx(1e-4)]
+    before = scaled.trained_tensors()
+    hf_tower_engine.load_lora(before, 20)
+    requests = [EpisodeRequest(generate_maze(20 + s, 7), s, j) for s in range(2) for j in range(4)]
+    trajectories = play_episodes(hf_tower_engine, hf_tower_engine.codec, requests, SETTINGS, Sampling(12, 1.0, seed=5))
+    for i, t in enumerate(trajectories):
+        t.reward = float(i % 2)
+    scaled.train_step(trajectories)
+    moved = {k: float((v - before[k]).abs().max()) for k, v in scaled.trained_tensors().items()}
+    lora_move = max(v for k, v in moved.items() if adapters.is_lora(k))
+    tower_move = max(v for k, v in moved.items() if not adapters.is_lora(k))
+    assert 0.9e-3 < lora_move < 1.1e-3 and 0.9e-4 < tower_move < 1.1e-4, (lora_move, tower_move)
+    scaled.sft_step(trajectories, 2e-3)
+    assert [g["lr"] for g in scaled._sft_optimizer.param_groups] == [2e-3, pytest.approx(2e-4)]
+    optimizer, state = scaled.optimizer_state()
+    fresh = PolicyTrainer(cfg, tiny_model_dir)
+    fresh.load_state(scaled.trained_tensors(), optimizer, state)
+    assert [g["lr"] for g in fresh.optimizer.param_groups] == [g["lr"] for g in scaled.optimizer.param_groups]
