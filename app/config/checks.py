@@ -6,6 +6,7 @@ that must exist: each failure is one `ConfigError` naming the field and the fix.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 from pathlib import Path
 
@@ -60,6 +61,12 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             "lora.modules_to_save",
             f"{cfg.lora.modules_to_save} names a module other than the vision tower",
             "use [] (the LoRA alone) or [visual] (the LoRA and the vision tower with its mergers)",
+        )
+    if cfg.lora.tower_lr_scale != 1.0 and "visual" not in cfg.lora.modules_to_save:
+        raise ConfigError(
+            "lora.tower_lr_scale",
+            f"it is {cfg.lora.tower_lr_scale:g}, but no vision tower trains (lora.modules_to_save is [])",
+            "set lora.modules_to_save=[visual] to train the tower, or leave lora.tower_lr_scale at 1",
         )
     if cfg.maze.size % 2 == 0:
         raise ConfigError("maze.size", f"{cfg.maze.size} is even", "use an odd size such as 7, 9 or 11")
@@ -141,6 +148,13 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             "model.dtype",
             "vLLM's LoRA kernels on GPU take only bfloat16 or float16 activations (float32 fails at engine start)",
             "set model.dtype=bfloat16, or rollout.engine=hf",
+        )
+    folder = ("model.path", m.path) if m.path != "tiny" else ("output_dir", cfg.output_dir)  # tiny: output_dir/.models
+    if r.engine == "vllm" and glob.escape(folder[1]) != folder[1]:
+        raise ConfigError(
+            folder[0],
+            f"{folder[1]!r} holds a glob character (* ? [), and vLLM finds the model's weight files by glob",
+            "use a folder whose path has none of * ? [ ]",
         )
     if r.keep_weights and r.sleep_level == 0:
         raise ConfigError(

@@ -134,6 +134,9 @@ BAD = [
     # Literal choices
     ("engine-tgi", "rollout: {engine: tgi}\n", [], "rollout.engine", "'vllm'", False),
     ("continuous-on-hf", None, ["rollout.engine=hf", "rollout.schedule=continuous"], "rollout.schedule", "vLLM", False),
+    ("glob-in-output-dir", None, ["rollout.engine=vllm", "output_dir=/tmp/run[1]"], "output_dir", "glob", False),
+    ("glob-in-model-path", None, ["rollout.engine=vllm", "model.path=/m/qwen*"], "model.path", "glob", False),
+    ("tower-rate-without-tower", None, ["lora.tower_lr_scale=0.5"], "lora.tower_lr_scale", "no vision tower", False),
     (
         "keep-weights-no-sleep",
         None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,7 +85,8 @@ def test_the_default_job_raises_the_held_out_solve_rate_by_20_points(tmp_path):
 if __name__ == "__main__":
     out = Path(os.environ.get("MAZERL_LEARN_OUT", "runs/learning")).resolve()
     overrides = sys.argv[1:]
-    r = learn(out / "_".join(o.replace("=", "-") for o in overrides or ["defaults"]), overrides, echo=True)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(overrides or ["defaults"]))  # vLLM globs its model folder
+    r = learn(out / name, overrides, echo=True)
     print(
         f"RESULT {' '.join(overrides) or 'defaults'}: held-out greedy solve rate {r['before']:.3f} -> "
         f"{r['after']:.3f} ({100 * (r['after'] - r['before']):+.1f} points, bound {r['bound']:.3f}); "
