@@ -19,3 +19,49 @@ def test_profile_summary_counts_inclusive_and_self_samples(tmp_path):
     assert whole["self"]["wait (threading.py)"] == 60
     rollout = summarize(stacks, under="play_episodes")
     assert rollout["samples"] == 40 and rollout["self"]["generate (vllm.py)"] == 30
+
+
+def test_train_profile_runs_the_loops_shape_and_tells_where_the_step_went(tmp_path, tiny_model_dir):
+    """scripts/bench/train_profile.py on a CPU: every run lasts the turn budget with full-length replies, as a
+    random-weight model's do, and the table, the shares and a trace come out."""
+    import gzip
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from app.config import load_config
+    from app.model.load import load_processor
+    from app.rollout.encoding import ChatCodec
+    from scripts.bench.train_profile import runs
+
+    cfg = load_config("configs/tiny.yaml", [], check_paths=False)
+    played = runs(cfg, ChatCodec(load_processor(tiny_model_dir)), mazes=1, seed=3)
+    assert len(played) == cfg.rollout.n_samples_per_prompt
+    assert all(t.turns == cfg.rollout.max_turns and t.reward in (0.0, 1.0) for t in played)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench/train_profile.py",
+            str(tmp_path),
+            "--config",
+            "configs/tiny.yaml",
+            "--model",
+            "tiny",
+            "--cache",
+            str(Path(tiny_model_dir).parent),
+            "--mazes",
+            "1",
+            "--device",
+            "cpu",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = (tmp_path / "train_profile.txt").read_text()
+    assert "profiled step 1:" in text and "backward" in text and "aten::mm" in text
+    assert json.loads(gzip.open(tmp_path / "train_trace.json.gz").read())["traceEvents"]
