@@ -61,7 +61,8 @@ def phase_shares(profile) -> dict[str, float]:
     step = sum(total(e) for e in events if e.key == "train_step") or 1.0
     backward = sum(total(e) for e in events if e.key.startswith("autograd::engine::evaluate_function"))
     optimizer = sum(total(e) for e in events if e.key.startswith("Optimizer.step"))
-    return {"backward": backward / step, "optimizer": optimizer / step}
+    kernels = sum(getattr(e, "self_device_time_total", 0) for e in events)  # every kernel once, in microseconds
+    return {"backward": backward / step, "optimizer": optimizer / step, "kernel_us": kernels}
 
 
 def main() -> None:
@@ -130,6 +131,9 @@ def main() -> None:
         memory = f", peak {m.get('train_peak_memory_gb', 0):.1f} GB" if on_gpu else ""
         lines.append(f"profiled step {i}: {m['wall_s']:.2f} s, {tokens:.0f} forward tokens{mfu}{memory}")
     median = statistics.median(m["wall_s"] for m in profiled)
+    if on_gpu:  # the share of the steps' wall time the GPU ran kernels: the rest it waited on the host
+        busy = shares["kernel_us"] / 1e6 / sum(m["wall_s"] for m in profiled)
+        lines.append(f"GPU busy (kernel time over wall time): {busy:.0%}")
     lines.append(
         f"median {median:.2f} s; of the profiled steps' {'device' if on_gpu else 'CPU'} time: backward "
         f"{shares['backward']:.0%}, optimizer {shares['optimizer']:.0%}, the rest (forwards, loss) "
