@@ -12,7 +12,7 @@ from pathlib import Path
 
 from app.config.adapter_init import check_adapter_init
 from app.config.knobs import ConfigError
-from app.config.schema import LANGUAGE_MODEL_PROJECTIONS, Config
+from app.config.schema import LANGUAGE_MODEL_PROJECTIONS, Config, LoraSettings
 
 
 def min_maze_turns(size: int) -> int:
@@ -62,11 +62,11 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             f"{cfg.lora.modules_to_save} names a module other than the vision tower",
             "use [] (the LoRA alone) or [visual] (the LoRA and the vision tower with its mergers)",
         )
-    if cfg.lora.tower_lr_scale != 1.0 and "visual" not in cfg.lora.modules_to_save:
+    if cfg.lora.tower_lr_scale != LoraSettings().tower_lr_scale and "visual" not in cfg.lora.modules_to_save:
         raise ConfigError(
             "lora.tower_lr_scale",
             f"it is {cfg.lora.tower_lr_scale:g}, but no vision tower trains (lora.modules_to_save is [])",
-            "set lora.modules_to_save=[visual] to train the tower, or leave lora.tower_lr_scale at 1",
+            "set lora.modules_to_save=[visual] to train the tower, or leave lora.tower_lr_scale out",
         )
     if cfg.maze.size % 2 == 0:
         raise ConfigError("maze.size", f"{cfg.maze.size} is even", "use an odd size such as 7, 9 or 11")

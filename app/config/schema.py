@@ -50,7 +50,7 @@ class LoraSettings:
     modules_to_save: list[str] = knob(
         [], "whole modules trained beside the LoRA and synced with it (PEFT's): [] or [visual], the vision tower"
     )
-    tower_lr_scale: float = knob(1.0, "the trained tower's learning rate over the LoRA's (train.lr, sft.lr)", gt=0.0)
+    tower_lr_scale: float = knob(0.1, "the trained tower's learning rate over the LoRA's (train.lr, sft.lr)", gt=0.0)
 
 
 @dataclass
