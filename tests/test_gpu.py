@@ -175,12 +175,14 @@ def test_an_engine_in_its_own_process_takes_the_adapter_by_cuda_ipc_and_sleeps(g
 def test_a_trained_vision_tower_reaches_an_engine_in_its_own_process_bit_for_bit(gpu_setup):
     """lora.modules_to_save [visual] in bf16 on a GPU: the tower crosses by CUDA IPC with the LoRA (after a sleep
     that sent the weights to the host), the worker holds it bit for bit, and the engine's logprobs match the
-    trainer's on the episodes it played."""
+    trainer's on the episodes it played; the base model's tower, loaded back as the serving app does, is held
+    exactly."""
     import dataclasses
 
     from actors.rollout import held_checksum, lora_checksum
     from app.learning.training import PolicyTrainer
     from app.model import adapters
+    from app.model.load import base_vision_tower
     from app.rollout.engines.base import Sampling
     from app.rollout.episodes import play_episodes
 
@@ -201,6 +203,10 @@ def test_a_trained_vision_tower_reaches_an_engine_in_its_own_process_bit_for_bit
         metrics = trainer.train_step(trajectories)
         print(f"tower run: logprob mismatch {metrics['logprob_mismatch_mean']:.2e}")
         assert metrics["logprob_mismatch_mean"] < 0.02  # the bound of the LoRA-only test above
+        base = base_vision_tower(model_dir)
+        engine.load_vision_tower(base)  # the serving app's swap back to the base model's tower
+        held = engine.lora_state()
+        assert all(torch.equal(held[adapters.held_name(k)].cpu(), v.to(torch.bfloat16)) for k, v in base.items())
     finally:
         engine.shutdown()
         del trainer
