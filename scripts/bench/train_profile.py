@@ -3,13 +3,16 @@
 One trainer rank alone, as the loop runs it on one GPU (the config's model, LoRA, dtype and checkpointing), trains
 on runs shaped like a random-weight model's: every reply `rollout.max_new_tokens` tokens of text that is no action,
 so every run lasts `rollout.max_turns` turns (the loop's 8B workload: 121,920 forward tokens for 8 mazes x 8 runs of
-h200.yaml at 13 turns), rewards 0/1 at random so every group trains. One warm-up step, then STEPS profiled steps.
+h200.yaml at 13 turns), rewards 0/1 at random so every group trains. One warm-up step, TIMED steps timed without
+the profiler (their median is the step's time and MFU: the profiler adds its own cost), then STEPS profiled steps.
 Prints the steps' times, forward tokens and MFU (as the run reports it: app/observe/efficiency.py), the share
 of the step in forward, backward and the optimizer, and the operators that take the most device time; writes the
 table to OUT/train_profile.txt and one step's Chrome trace to OUT/train_trace.json.gz.
 
     python scripts/bench/train_profile.py OUT [--config configs/h200.yaml] [--model PATH] [--mazes 8] \
-        [--steps 1] [--device cuda] [key=value ...]
+        [--timed 2] [--steps 1] [--device cuda] [key=value ...]
+
+Two settings side by side: two runs of it in one device call, e.g. with `train.micro_batch=8` and without.
 
 On a CPU (`--device cpu`, the tiny model, float32) it runs as the smoke test of tests/scripts.
 """
@@ -71,7 +74,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/h200.yaml")
     ap.add_argument("--model", default=None, help="model.path (default: the config's; tiny builds the tiny model)")
     ap.add_argument("--mazes", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=1, help="profiled steps after one warm-up step")
+    ap.add_argument("--timed", type=int, default=2, help="steps timed without the profiler, after one warm-up")
+    ap.add_argument("--steps", type=int, default=1, help="profiled steps after the timed ones")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cache", default="/tmp/mazerl-bench-models")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
@@ -110,6 +114,7 @@ def main() -> None:
         return metrics
 
     warm = step(0)
+    timed = [step(100 + i) for i in range(args.timed)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities, record_shapes=False) as prof:
         profiled = [step(1 + i) for i in range(args.steps)]
@@ -122,14 +127,21 @@ def main() -> None:
     sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=25)
     shares = phase_shares(prof)
-    lines = [f"warm-up step: {warm['wall_s']:.2f} s, {warm['forward_tokens']:.0f} forward tokens"]
-    for i, m in enumerate(profiled, start=1):
+
+    def describe(m: dict) -> str:
         tokens = m["forward_tokens"]
         work = flops.train(tokens, cfg.model.gradient_checkpointing)
         mfu = phase_efficiency("train", work, m["wall_s"], 1, peak).get("train_mfu")
         mfu = f", MFU {mfu:.1%}" if mfu is not None else ""
         memory = f", peak {m.get('train_peak_memory_gb', 0):.1f} GB" if on_gpu else ""
-        lines.append(f"profiled step {i}: {m['wall_s']:.2f} s, {tokens:.0f} forward tokens{mfu}{memory}")
+        return f"{m['wall_s']:.2f} s, {tokens:.0f} forward tokens{mfu}{memory}"
+
+    lines = [f"warm-up step: {describe(warm)}"]
+    lines += [f"timed step {i}: {describe(m)}" for i, m in enumerate(timed, start=1)]
+    lines += [f"profiled step {i}: {describe(m)}" for i, m in enumerate(profiled, start=1)]
+    if timed:
+        middle = sorted(timed, key=lambda m: m["wall_s"])[(len(timed) - 1) // 2]
+        lines.append(f"the step, without the profiler (median of {len(timed)}): {describe(middle)}")
     median = statistics.median(m["wall_s"] for m in profiled)
     if on_gpu:  # the share of the steps' wall time the GPU ran kernels: the rest it waited on the host
         busy = shares["kernel_us"] / 1e6 / sum(m["wall_s"] for m in profiled)

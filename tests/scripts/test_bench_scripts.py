@@ -55,6 +55,8 @@ def test_train_profile_runs_the_loops_shape_and_tells_where_the_step_went(tmp_pa
             "1",
             "--device",
             "cpu",
+            "--timed",
+            "1",
         ],
         cwd=root,
         capture_output=True,
@@ -64,4 +66,5 @@ def test_train_profile_runs_the_loops_shape_and_tells_where_the_step_went(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     text = (tmp_path / "train_profile.txt").read_text()
     assert "profiled step 1:" in text and "backward" in text and "aten::mm" in text
+    assert "timed step 1:" in text and "without the profiler (median of 1)" in text
     assert json.loads(gzip.open(tmp_path / "train_trace.json.gz").read())["traceEvents"]
