@@ -99,12 +99,12 @@ def check_resume(cfg: Config) -> str | None:
         if found is None:
             continue
         where = store.uri(found[0])
-        afresh = f", or start afresh (checkpoint.resume_mode=none, or another checkpoint.ckpt_path than {root})"
+        afresh = f"start afresh (checkpoint.resume_mode=none, or another checkpoint.ckpt_path than {root})"
         try:
             adapter = parse_adapter_config(found[1], where)
         except ConfigError as e:
-            raise ConfigError("checkpoint.resume_mode", f"the checkpoint {where}: {e.problem}", afresh[5:]) from None
-        check_same_adapter(adapter, cfg.lora, f"the checkpoint it resumes from ({where})", afresh)
+            raise ConfigError("checkpoint.resume_mode", f"the checkpoint {where}: {e.problem}", afresh) from None
+        check_same_adapter(adapter, cfg.lora, f"the checkpoint it resumes from ({where})", f", or {afresh}")
         return where
     return None
 
