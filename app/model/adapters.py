@@ -130,6 +130,13 @@ def vision_shapes(vision_config) -> dict[str, tuple[int, ...]]:
     return {VISION_PREFIX + name: tuple(p.shape) for name, p in tower.named_parameters()}
 
 
+def check_tower(tensors: dict[str, torch.Tensor]) -> None:
+    """AdapterMismatch unless every name is a vision tower weight's (`base_model.model.model.visual.*`)."""
+    unknown = sorted(k for k in tensors if not k.startswith(VISION_PREFIX))
+    if unknown:
+        raise AdapterMismatch(f"{unknown[0]} is not a vision tower weight ({len(unknown)} such)")
+
+
 def is_lora(name: str) -> bool:
     return ".lora_A" in name or ".lora_B" in name
 

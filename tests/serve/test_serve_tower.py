@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.config import LoraSettings
-from app.model.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterSpec, is_lora
+from app.model.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterMismatch, AdapterSpec, is_lora
 from app.rollout.engines.base import Prompt, Sampling
 from app.serve.api import ServeSettings, as_api_error, encode_conversation, parse_chat_request
 from app.serve.client import ServedEpisode
@@ -156,5 +156,7 @@ def test_a_tower_that_does_not_fit_the_model_is_a_422_and_the_replica_serves_on(
         ask(service, BROKEN)
     error = as_api_error(raised.value)
     assert error.status == 422 and "visual" in str(raised.value), str(raised.value)
+    with pytest.raises(AdapterMismatch, match="not a vision tower weight"):  # checked before the engine is touched
+        service.engine.load_vision_tower({"base_model.model.x.lora_A.weight": torch.zeros(2, 2)})
     assert ask(service, TOWERED) == expected[TOWERED]
     assert ask(service, "base") == expected["base"]

@@ -61,9 +61,7 @@ class HFEngine(Engine):
         """Copies a whole vision tower (PEFT names, `base_model.model.model.visual.*`) into the model."""
         dtype = next(self.model.parameters()).dtype
         tower = adapters.private_copies(adapters.normalize_keys(tensors), "cpu", dtype)
-        unknown = sorted(k for k in tower if not k.startswith(adapters.VISION_PREFIX))
-        if unknown:
-            raise adapters.AdapterMismatch(f"{unknown[0]} is not a vision tower weight ({len(unknown)} such)")
+        adapters.check_tower(tower)
         adapters.check_finite(tower)
         copy_into_parameters(self.model, tower)
         self._stats["tower_loads"] += 1

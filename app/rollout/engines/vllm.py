@@ -323,9 +323,7 @@ class VLLMEngine(Engine):
 
     def _place_tower(self, tower: dict[str, torch.Tensor]) -> None:
         """Private device copies of tower weights (PEFT names) into the model, under vLLM's names (`visual.…`)."""
-        unknown = sorted(k for k in tower if not k.startswith(adapters.VISION_PREFIX))
-        if unknown:
-            raise adapters.AdapterMismatch(f"{unknown[0]} is not a vision tower weight ({len(unknown)} such)")
+        adapters.check_tower(tower)
         held = {adapters.held_name(k): v for k, v in tower.items()}
         loaded = self.llm.collective_rpc("mazerl_load_weights", args=(to_wire(held, self.in_process),))[0]
         if loaded != len(held):
