@@ -43,7 +43,7 @@ class PolicyTrainer:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.model_dir = model_dir
         self.device = torch.device(device)
-        self.distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = world > 1 and dist.is_available() and dist.is_initialized()  # not in-process vLLM's group
         self.processor = load_processor(model_dir)
         self.codec = ChatCodec(self.processor)
         base = load_model(model_dir, cfg.model.dtype, self.device)

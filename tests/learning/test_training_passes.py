@@ -115,3 +115,22 @@ def test_entropy_coef_must_not_be_negative():
 
     with pytest.raises(ConfigError, match="train.entropy_coef"):
         tiny_config("train.entropy_coef=-0.1")
+
+
+def test_a_single_rank_trainer_ignores_a_process_group_it_did_not_make(tiny_model_dir, batch, tmp_path):
+    """An in-process vLLM engine initialises torch.distributed in its process; a one-rank trainer built beside it
+    must neither shard with FSDP2 nor all-reduce over that group (it failed once the engine's group was gone)."""
+    import torch.distributed as dist
+
+    from app.learning.training import PolicyTrainer
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
+    try:
+        trainer = PolicyTrainer(tiny_config(), tiny_model_dir)
+        assert not trainer.distributed
+    finally:
+        if made:
+            dist.destroy_process_group()
+    assert trainer.train_step(batch)["trained_tokens"] > 0  # no group needed, whatever the process holds
