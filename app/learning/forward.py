@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from peft.helpers import disable_input_dtype_casting
 
 from app.learning.batch import TrainItem
 from app.learning.speedups.picture_cache import PictureCache
@@ -33,6 +34,8 @@ class PolicyForward:
     ):
         """temperature: the rollouts' sampling temperature, the default of every forward."""
         self.model, self.codec, self.device, self.temperature = model, codec, device, temperature
+        # the model's dtype (its frozen weights'): the LoRA computes in it from float32 masters
+        self.compute_dtype = model.get_input_embeddings().weight.dtype
         self.pictures, self.vision_cache = pictures, vision_cache
         self.forbidden = codec.forbidden_ids()
         # rotary positions made on the host (app.learning.speedups.rope_positions); False leaves them to the
@@ -61,6 +64,16 @@ class PolicyForward:
             )
         return {k: v.to(self.device) for k, v in inputs.items()}, ids, mask
 
+    def mixed_precision(self) -> contextlib.AbstractContextManager:
+        """The model's forward with every LoRA layer in compute_dtype: autocast casts the float32 LoRA weights
+        (small) for each product instead of PEFT casting each layer's input activations (large) up to float32."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
+        stack.enter_context(disable_input_dtype_casting(self.model))
+        return stack
+
     def token_logprobs(
         self,
         batch: list[TrainItem],
@@ -84,11 +97,12 @@ class PolicyForward:
         if self.vision_cache is not None:
             pictures = self.vision_cache.serving([PictureCache.key(png) for it in batch for png in it.images])
         with ctx, pictures:
-            if adapter:
-                out = self.model(**inputs, logits_to_keep=wanted.to(self.device), use_cache=False)
-            else:
-                with self.model.disable_adapter():
+            with self.mixed_precision():
+                if adapter:
                     out = self.model(**inputs, logits_to_keep=wanted.to(self.device), use_cache=False)
+                else:
+                    with self.model.disable_adapter():
+                        out = self.model(**inputs, logits_to_keep=wanted.to(self.device), use_cache=False)
             logits = out.logits.float()
             kept_mask = mask[:, wanted + 1]
             # Untrained positions may hold image pads, which are forbidden (-inf): score a harmless id there.
