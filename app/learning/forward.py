@@ -15,6 +15,7 @@ import torch
 from peft.helpers import disable_input_dtype_casting
 
 from app.learning.batch import TrainItem
+from app.learning.speedups.lora_forward import fuse_lora_layers
 from app.learning.speedups.picture_cache import PictureCache
 from app.learning.speedups.rope_positions import batch_positions
 from app.learning.speedups.vision_cache import VisionCache
@@ -36,6 +37,7 @@ class PolicyForward:
         self.model, self.codec, self.device, self.temperature = model, codec, device, temperature
         # the model's dtype (its frozen weights'): the LoRA computes in it from float32 masters
         self.compute_dtype = model.get_input_embeddings().weight.dtype
+        fuse_lora_layers(model)  # app.learning.speedups.lora_forward
         self.pictures, self.vision_cache = pictures, vision_cache
         self.forbidden = codec.forbidden_ids()
         # rotary positions made on the host (app.learning.speedups.rope_positions); False leaves them to the
