@@ -1,5 +1,6 @@
 """The trainer's log-probabilities against a vLLM engine's, with the LoRA computed in the model's dtype (what the
-trainer does: app/learning/forward.py) and in float32 (PEFT's default for float32 adapter weights).
+trainer does: app/learning/forward.py, with its fused layers, app/learning/speedups/lora_forward.py, and with
+PEFT's own layer forward) and in float32 (PEFT's default for float32 adapter weights).
 
 For each count of supervised steps (so that the adapter is not near zero), the trainer trains the LoRA, the engine
 takes it in memory and plays 16 episodes at temperature 1, and the trainer scores them both ways in one train step
@@ -18,18 +19,26 @@ import json
 import statistics
 import tempfile
 
+WAYS = ("model dtype", "model dtype, PEFT's layers", "float32")
 
-def mismatch_both_ways(trainer, trajectories) -> dict[str, dict]:
-    """One train step at learning rate 0 per way: the LoRA in the model's dtype, then in float32."""
+
+def mismatch_each_way(trainer, trajectories) -> dict[str, dict]:
+    """One train step at learning rate 0 per way (WAYS): the trainer's, then without its fused LoRA layers, then with
+    the LoRA in float32 as PEFT casts it."""
+    from app.learning.speedups.lora_forward import fuse_lora_layers, restore_lora_layers
+
     for group in trainer.optimizer.param_groups:
         group["lr"] = 0.0
     trainer.scheduler.base_lrs = [0.0] * len(trainer.scheduler.base_lrs)
-    model_dtype = trainer.train_step(trajectories)
+    results = [trainer.train_step(trajectories)]
+    restore_lora_layers(trainer.model)
+    results.append(trainer.train_step(trajectories))
     trainer.forward.mixed_precision = contextlib.nullcontext  # PEFT's own casting: float32 LoRA products
-    float32 = trainer.train_step(trajectories)
+    results.append(trainer.train_step(trajectories))
     del trainer.forward.mixed_precision
+    fuse_lora_layers(trainer.model)
     keys = ("logprob_mismatch_mean", "logprob_mismatch_max", "trained_tokens")
-    return {"model dtype": {k: model_dtype[k] for k in keys}, "float32": {k: float32[k] for k in keys}}
+    return {way: {k: r[k] for k in keys} for way, r in zip(WAYS, results)}
 
 
 def main() -> None:
@@ -72,7 +81,7 @@ def main() -> None:
             requests = [EpisodeRequest(generate_maze(100 + g, 7), g, s) for g in range(4) for s in range(4)]
             played = play_episodes(engine, trainer.codec, requests, settings, Sampling(8, 1.0, seed=3))
             played = [dataclasses.replace(t, reward=float(t.sample % 2)) for t in played]
-            result = {"sft_steps": steps, **mismatch_both_ways(trainer, played)}
+            result = {"sft_steps": steps, **mismatch_each_way(trainer, played)}
             lines.append(result)
             print(json.dumps(result), flush=True)
     finally:
@@ -80,16 +89,12 @@ def main() -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in lines)
-    ratios = [
-        r["model dtype"]["logprob_mismatch_mean"] / max(r["float32"]["logprob_mismatch_mean"], 1e-12) for r in lines
-    ]
-    print(f"{'sft steps':>9} {'LoRA in model dtype':>22} {'LoRA in float32':>18}   (mean |trainer - engine| logprob)")
+    print(f"{'sft steps':>9} " + " ".join(f"{w:>28}" for w in WAYS) + "   (mean |trainer - engine| logprob)")
     for r in lines:
-        print(
-            f"{r['sft_steps']:9d} {r['model dtype']['logprob_mismatch_mean']:22.3e} "
-            f"{r['float32']['logprob_mismatch_mean']:18.3e}"
-        )
-    print(f"model dtype / float32, median of {len(ratios)}: {statistics.median(ratios):.2f}")
+        print(f"{r['sft_steps']:9d} " + " ".join(f"{r[w]['logprob_mismatch_mean']:28.3e}" for w in WAYS))
+    for way in WAYS[:2]:
+        ratios = [r[way]["logprob_mismatch_mean"] / max(r["float32"]["logprob_mismatch_mean"], 1e-12) for r in lines]
+        print(f"{way} / float32, median of {len(ratios)}: {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":
