@@ -68,6 +68,12 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             f"it is {cfg.lora.tower_lr_scale:g}, but no vision tower trains (lora.modules_to_save is [])",
             "set lora.modules_to_save=[visual] to train the tower, or leave lora.tower_lr_scale out",
         )
+    if m.compile_layers and p.num_bundles > 1:
+        raise ConfigError(
+            "model.compile_layers",
+            f"the trainer has {p.num_bundles} ranks; compiled layers run on one (FSDP2's hooks are not compiled)",
+            "set model.compile_layers=false, or placement.num_bundles=1",
+        )
     if cfg.maze.size % 2 == 0:
         raise ConfigError("maze.size", f"{cfg.maze.size} is even", "use an odd size such as 7, 9 or 11")
     need = min_maze_turns(cfg.maze.size)

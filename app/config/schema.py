@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from app.config.knobs import knob
+from app.config.waits import WaitConfig
 
 LANGUAGE_MODEL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -39,6 +40,9 @@ class ModelConfig:
     adapter_init: str | None = knob(None, "PEFT adapter folder to start the policy from (the SFT warm start)")
     dtype: Literal["float32", "bfloat16"] = knob("float32", "weights and compute dtype")
     gradient_checkpointing: bool = knob(False, "recompute activations in the backward pass to save memory")
+    compile_layers: bool = knob(
+        False, "the trainer's decoder layers compiled by torch.compile: fused elementwise kernels (one trainer rank)"
+    )
 
 
 @dataclass
@@ -318,41 +322,6 @@ class CheckpointConfig:
     s3_endpoint_url: str | None = knob(None, "endpoint of an S3-compatible store; none uses AWS")
     keep_last: int = knob(3, "full checkpoints kept on disk; older ones are deleted", ge=1)
     max_failures: int = knob(3, "actor or node losses the driver recovers from before giving up", ge=0)
-
-
-@dataclass
-class WaitConfig:
-    actor_start_s: float = knob(
-        900.0,
-        "how long the actors may take to be scheduled and ready (engines started, "
-        "trainer ranks joined) before the start is a stall",
-        gt=0.0,
-    )
-    collective_s: float = knob(
-        600.0,
-        "how long a trainer rank waits in a collective, or for the process group to "
-        "form, before it fails: bounds how long surviving ranks wait for a lost one",
-        gt=0.0,
-    )
-    phase_s: float = knob(
-        3600.0,
-        "the longest one phase of a step (rollout, train, sync, eval, checkpoint) may take "
-        "before it is a stall, handled like a lost actor",
-        gt=0.0,
-    )
-    stall_factor: float = knob(
-        5.0,
-        "a phase past this many times its median so far is a stall too (after 3 of them); 0 leaves only phase_s",
-        ge=0.0,
-    )
-    stall_floor_s: float = knob(120.0, "the shortest bound stall_factor may set (short phases vary a lot)", gt=0.0)
-    report_every_s: float = knob(10.0, "while the driver waits, a log line this often: what, on whom, how long", gt=0.0)
-    lost_peer_s: float = knob(
-        20.0,
-        "when one actor's call fails, how long to look for a lost actor in the same wait (a collective fails on "
-        "the surviving ranks before Ray reports the lost one): found, the run recovers; not, the error stands",
-        ge=0.0,
-    )
 
 
 @dataclass

@@ -25,6 +25,7 @@ from app.config import Config
 from app.learning import grpo
 from app.learning.batch import TrainItem, advantage_table, build_items, micro_batches, shard
 from app.learning.forward import PolicyForward
+from app.learning.speedups.compiled_layers import compile_language_layers
 from app.learning.speedups.picture_cache import PictureCache
 from app.learning.speedups.vision_cache import VisionCache
 from app.learning.step_advantages import advantages_for
@@ -74,9 +75,7 @@ class PolicyTrainer:
             self._param_groups(cfg.train.lr), weight_decay=cfg.train.weight_decay, betas=(0.9, 0.999), eps=1e-8
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.steps_done = 0
-        self._sft_optimizer = None
-        self.pictures = None
+        self.steps_done, self._sft_optimizer, self.pictures = 0, None, None
         if cfg.train.picture_cache_gb > 0:
             self.pictures = PictureCache(
                 self.codec, self.device, getattr(torch, cfg.model.dtype), int(cfg.train.picture_cache_gb * 2**30)
@@ -84,9 +83,10 @@ class PolicyTrainer:
         self.forward = PolicyForward(
             self.model, self.codec, self.device, cfg.rollout.temperature, self.pictures, self.vision_cache
         )
+        if cfg.model.compile_layers and not self.distributed:  # app/config/checks.py refuses several ranks
+            compile_language_layers(self.model)
 
     def _shard_with_fsdp2(self) -> None:
-
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.cfg.model.dtype), reduce_dtype=torch.float32)
         inner = self.model.base_model.model.model
         for block in list(inner.visual.blocks) + list(inner.language_model.layers):

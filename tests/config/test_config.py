@@ -138,6 +138,14 @@ BAD = [
     ("glob-in-model-path", None, ["rollout.engine=vllm", "model.path=/m/qwen*"], "model.path", "glob", False),
     ("tower-rate-without-tower", None, ["lora.tower_lr_scale=0.5"], "lora.tower_lr_scale", "no vision tower", False),
     (
+        "compiled-layers-on-ranks",
+        None,
+        ["model.compile_layers=true", "placement.num_bundles=2"],
+        "model.compile_layers",
+        "2 ranks",
+        False,
+    ),
+    (
         "keep-weights-no-sleep",
         None,
         ["rollout.sleep_level=0", "rollout.keep_weights=true"],
