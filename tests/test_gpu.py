@@ -212,3 +212,28 @@ def test_a_trained_vision_tower_reaches_an_engine_in_its_own_process_bit_for_bit
         del trainer
         torch.cuda.empty_cache()
         shared.wake()
+
+
+def test_compiled_layers_train_the_eager_step_in_bf16(gpu_setup):
+    """model.compile_layers on the GPU: inductor's fused kernels give the eager trainer's step (bf16 rounding apart),
+    and their log-probabilities stay within the engine-mismatch bound above."""
+    import dataclasses
+
+    from app.learning.training import PolicyTrainer
+    from app.rollout.engines.base import Sampling
+    from app.rollout.episodes import play_episodes
+
+    cfg, model_dir, _, engine, settings = gpu_setup
+    engine.load_lora(PolicyTrainer(cfg, model_dir, device="cuda").trained_tensors(), 3)  # a fresh trainer's LoRA
+    played = play_episodes(engine, engine.codec, requests(4, 4), settings, Sampling(12, 1.0, seed=2))
+    played = [dataclasses.replace(t, reward=float(t.sample % 2)) for t in played]
+    compiled_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile_layers=True))
+    eager = PolicyTrainer(cfg, model_dir, device="cuda").train_step(played)
+    compiled = PolicyTrainer(compiled_cfg, model_dir, device="cuda").train_step(played)
+    print(
+        f"compiled layers: loss {compiled['loss']:.4e} (eager {eager['loss']:.4e}), mismatch "
+        f"{compiled['logprob_mismatch_mean']:.2e} (eager {eager['logprob_mismatch_mean']:.2e})"
+    )
+    assert compiled["loss"] == pytest.approx(eager["loss"], rel=0.05, abs=1e-4)
+    assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=0.05)
+    assert compiled["logprob_mismatch_mean"] < 0.02
