@@ -65,7 +65,9 @@ def _single_vanilla_adapter(layer, x: torch.Tensor, args: tuple, kwargs: dict) -
     if len(active) != 1:
         return None
     name = active[0]
-    if name in layer.lora_variant or layer.lora_bias.get(name, False) or not _dropout_off(layer.lora_dropout[name]):
+    # getattr: PEFT releases before 0.16 mark DoRA in use_dora and have no variants or LoRA bias
+    special = (getattr(layer, "lora_variant", {}), getattr(layer, "use_dora", {}), getattr(layer, "lora_bias", {}))
+    if name in special[0] or special[1].get(name) or special[2].get(name) or not _dropout_off(layer.lora_dropout[name]):
         return None
     if layer.lora_A[name].weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
         return None  # PEFT casts the input to the weights' dtype here

@@ -104,3 +104,24 @@ def test_in_bfloat16_under_autocast_the_fused_layers_compute_in_bfloat16(tiny_mo
     with torch.no_grad():  # float32 weights meeting bf16 input without autocast: PEFT's casting, not an error
         fused(**ids(), use_cache=False)
     assert calls
+
+
+def test_a_dora_layer_keeps_pefts_forward(tiny_model_dir):
+    """DoRA rescales the adapted weight's columns: not base + B A x, so the fused forward must not take it."""
+    from peft import LoraConfig, get_peft_model
+
+    from app.learning.speedups.lora_forward import fuse_lora_layers
+    from app.model.load import load_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        load_model(tiny_model_dir, "float32", torch.device("cpu")),
+        LoraConfig(r=8, lora_alpha=16, target_modules=r".*language_model.*\.(q_proj|v_proj)", use_dora=True),
+    )
+    with torch.no_grad():
+        want = model(**ids(), use_cache=False).logits
+    assert fuse_lora_layers(model) > 0
+    calls = lora_b_calls(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**ids(), use_cache=False).logits, want)
+    assert calls
