@@ -11,7 +11,7 @@ steps and OUT_DIR/final/, each a PEFT folder (adapter_model.safetensors + adapte
 can be stopped at the solve rate wanted (the learning run stops at <= 50%). One process, no Ray.
 
 With --full every weight trains (vision tower included: a model built here from random weights has to learn
-to see), and each save is a model folder with the LoRA merged in, for `model.path` (app.learning.sft.export_full_model);
+to see), and each save is a model folder with the LoRA merged in, for `model.path` (app.model.merge.export_full_model);
 its held-out solve rate is measured on that folder as written. OUT/sft_log.jsonl has one line per step.
 """
 
@@ -70,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     from app.driver.preflight import model_cache
-    from app.learning.sft import WarmStartData, export_full_model
+    from app.learning.sft import WarmStartData
     from app.learning.training import PolicyTrainer
     from app.model.build import ensure_model
+    from app.model.merge import export_full_model
     from app.observe.evaluation import play_held_out
     from app.rollout.engines.hf import HFEngine
     from app.world.rules import EpisodeSettings

@@ -64,11 +64,13 @@ def parse_adapter_config(config: object, path: str | Path) -> AdapterInit:
                 f"start from a plain LoRA adapter ({flag}: false)",
             )
     saved = config.get("modules_to_save") or []
-    if not isinstance(saved, list) or not set(saved) <= {"visual"}:
+    if not isinstance(saved, list) or not set(saved) <= {"visual", "language_model"}:
         raise ConfigError(
             FIELD,
-            f"its modules_to_save is {saved!r}; whole modules other than the vision tower ([visual]) are not taken",
-            "start from a LoRA adapter, or one that carries the vision tower only (modules_to_save [visual])",
+            f"its modules_to_save is {saved!r}; whole modules other than the vision tower (visual) and the language "
+            "model (language_model) are not taken",
+            "start from a LoRA adapter, or one written by a run with lora.modules_to_save [visual] or "
+            "[visual, language_model]",
         )
     targets = config.get("target_modules")
     if not isinstance(targets, list) or not all(isinstance(x, str) for x in targets):

@@ -56,17 +56,25 @@ def check_sampled_policy_is_trained(cfg: Config) -> None:
 def check_combinations(cfg: Config, check_paths: bool = True) -> None:
     """Checks that involve several fields, the environment, or the file system."""
     m, r, t, p, c = cfg.model, cfg.rollout, cfg.train, cfg.placement, cfg.checkpoint
-    if set(cfg.lora.modules_to_save) - {"visual"}:
+    if set(cfg.lora.modules_to_save) - {"visual", "language_model"}:
         raise ConfigError(
             "lora.modules_to_save",
-            f"{cfg.lora.modules_to_save} names a module other than the vision tower",
-            "use [] (the LoRA alone) or [visual] (the LoRA and the vision tower with its mergers)",
+            f"{cfg.lora.modules_to_save} names a module other than the vision tower and the language model",
+            "use [] (the LoRA alone), [visual] (the LoRA and the vision tower with its mergers) or "
+            "[visual, language_model] (every weight)",
         )
-    if cfg.lora.tower_lr_scale != LoraSettings().tower_lr_scale and "visual" not in cfg.lora.modules_to_save:
+    if cfg.lora.tower_lr_scale != LoraSettings().tower_lr_scale and not cfg.lora.modules_to_save:
         raise ConfigError(
             "lora.tower_lr_scale",
-            f"it is {cfg.lora.tower_lr_scale:g}, but no vision tower trains (lora.modules_to_save is [])",
+            f"it is {cfg.lora.tower_lr_scale:g}, but only the LoRA trains (lora.modules_to_save is [])",
             "set lora.modules_to_save=[visual] to train the tower, or leave lora.tower_lr_scale out",
+        )
+    if cfg.train.kl_coef > 0 and "language_model" in cfg.lora.modules_to_save:
+        raise ConfigError(
+            "train.kl_coef",
+            "the KL reference is the model with the adapter disabled, and with lora.modules_to_save "
+            "[language_model] the language model under the adapter trains too: the reference would move every step",
+            "set train.kl_coef=0 (train.max_update_kl bounds how far a step moves the policy instead)",
         )
     if m.compile_layers and p.num_bundles > 1:
         raise ConfigError(

@@ -52,9 +52,13 @@ class LoraSettings:
     dropout: float = knob(0.0, "LoRA dropout; must be 0: the engines sample without it", ge=0.0, lt=1.0)
     target_modules: list[str] = knob(LANGUAGE_MODEL_PROJECTIONS, "module names that get LoRA; LM projections only")
     modules_to_save: list[str] = knob(
-        [], "whole modules trained beside the LoRA and synced with it (PEFT's): [] or [visual], the vision tower"
+        [],
+        "whole modules trained beside the LoRA and synced with it (PEFT's): [], [visual] (the vision tower), "
+        "[visual, language_model] (every weight)",
     )
-    tower_lr_scale: float = knob(0.1, "the trained tower's learning rate over the LoRA's (train.lr, sft.lr)", gt=0.0)
+    tower_lr_scale: float = knob(
+        0.1, "the learning rate of the modules that train whole over the LoRA's (train.lr, sft.lr)", gt=0.0
+    )
 
 
 @dataclass

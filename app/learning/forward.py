@@ -30,13 +30,14 @@ class PolicyForward:
         codec: ChatCodec,
         device: torch.device,
         temperature: float,
+        compute_dtype: torch.dtype,
         pictures: PictureCache | None = None,
         vision_cache: VisionCache | None = None,
     ):
-        """temperature: the rollouts' sampling temperature, the default of every forward."""
+        """temperature: the rollouts' sampling temperature, the default of every forward. compute_dtype: the model's
+        (model.dtype, the engines'): the LoRA, and whole modules that train, compute in it from float32 masters."""
         self.model, self.codec, self.device, self.temperature = model, codec, device, temperature
-        # the model's dtype (its frozen weights'): the LoRA computes in it from float32 masters
-        self.compute_dtype = model.get_input_embeddings().weight.dtype
+        self.compute_dtype = compute_dtype
         fuse_lora_layers(model)  # app.learning.speedups.lora_forward
         self.pictures, self.vision_cache = pictures, vision_cache
         self.forbidden = codec.forbidden_ids()

@@ -8,13 +8,7 @@ demonstrations come from the same `MazeSampler` that never yields an eval maze.
 
 from __future__ import annotations
 
-import copy
-import os
-import shutil
-from pathlib import Path
-
 import numpy as np
-import torch
 
 from app.rollout.encoding import ChatCodec, as_image, image_to_png
 from app.rollout.episodes import EpisodeRequest, RunningEpisode
@@ -125,30 +119,3 @@ class WarmStartData:
         for index in rng.choice(len(cells), size=min(self.sft.perception, len(cells)), replace=False):
             examples.append(perception_example(maze, cells[index], self.codec, self.settings.cell_px))
         return examples
-
-
-# Files of a model folder that the weights export rewrites; everything else (tokenizer, processor, chat
-# template) is copied from the base folder, so the export loads wherever the base did (vLLM included).
-_WEIGHT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
-
-
-def export_full_model(model, base_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16") -> Path:
-    """The policy with its LoRA merged into the weights, as a model folder for `model.path`.
-
-    This is the checkpoint of a full-model SFT (the analogue of the SFT checkpoint a GRPO run starts from).
-    Written beside `out_dir` and renamed into place, so an interrupted export never leaves a half folder.
-    """
-
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged = copy.deepcopy(model)
-    merged = merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged
-    merged.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
-    for f in Path(base_dir).iterdir():
-        if f.is_file() and f.name not in _WEIGHT_FILES and not f.name.endswith(".safetensors"):
-            shutil.copy2(f, tmp / f.name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out

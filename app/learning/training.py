@@ -31,7 +31,7 @@ from app.learning.speedups.vision_cache import VisionCache
 from app.learning.step_advantages import advantages_for
 from app.learning.trust_region import bounded_step
 from app.model import adapters
-from app.model.load import apply_lora, load_model, load_processor, train_vision_tower, train_without_dropout
+from app.model.load import apply_lora, load_model, load_processor, train_whole_modules, train_without_dropout
 from app.rollout.encoding import ChatCodec
 from app.rollout.trajectory import Trajectory
 
@@ -41,11 +41,11 @@ class PolicyTrainer:
         self, cfg: Config, model_dir: str, rank: int = 0, world: int = 1, device: str = "cpu", train_base: bool = False
     ):
         """train_base: every weight of the model trains too, not only the LoRA (full-model SFT, one process)."""
-        self.cfg, self.rank, self.world = cfg, rank, world
-        self.model_dir = model_dir
+        self.cfg, self.rank, self.world, self.model_dir = cfg, rank, world, model_dir
         self.device = torch.device(device)
         self.distributed = world > 1 and dist.is_available() and dist.is_initialized()  # not in-process vLLM's group
         self.processor = load_processor(model_dir)
+        compute_dtype = getattr(torch, cfg.model.dtype)
         self.codec = ChatCodec(self.processor)
         base = load_model(model_dir, cfg.model.dtype, self.device)
         self.spec = adapters.AdapterSpec.for_model(base.config.text_config, cfg.lora, base.config.vision_config)
@@ -55,9 +55,8 @@ class PolicyTrainer:
         torch.manual_seed(cfg.train.seed)  # every rank must initialise the same LoRA before sharding
         self.model = apply_lora(base, cfg.lora, cfg.model.adapter_init)
         train_without_dropout(self.model)
-        if "visual" in cfg.lora.modules_to_save:  # the tower and its mergers train whole beside the LoRA
-            # FSDP2's mixed precision casts for itself
-            train_vision_tower(self.model, None if self.distributed else getattr(torch, cfg.model.dtype))
+        if cfg.lora.modules_to_save:  # the tower, the language model: whole beside the LoRA; FSDP2 casts for itself
+            train_whole_modules(self.model, cfg.lora.modules_to_save, None if self.distributed else compute_dtype)
         if train_base:
             if self.distributed:
                 raise ValueError("full-model SFT runs in one process; train_base with a process group is not supported")
@@ -78,11 +77,10 @@ class PolicyTrainer:
         self.steps_done, self._sft_optimizer, self.pictures = 0, None, None
         if cfg.train.picture_cache_gb > 0:
             self.pictures = PictureCache(
-                self.codec, self.device, getattr(torch, cfg.model.dtype), int(cfg.train.picture_cache_gb * 2**30)
+                self.codec, self.device, compute_dtype, int(cfg.train.picture_cache_gb * 2**30)
             )
-        self.forward = PolicyForward(
-            self.model, self.codec, self.device, cfg.rollout.temperature, self.pictures, self.vision_cache
-        )
+        self.forward = PolicyForward(self.model, self.codec, self.device, cfg.rollout.temperature, compute_dtype)
+        self.forward.pictures, self.forward.vision_cache = self.pictures, self.vision_cache
         if cfg.model.compile_layers and not self.distributed:  # app/config/checks.py refuses several ranks
             compile_language_layers(self.model)
 

@@ -28,9 +28,15 @@ ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model.model.language_model.layers"
 # The vision tower (with its mergers) when trained whole beside the LoRA: PEFT's modules_to_save names for it
 VISION_PREFIX = "base_model.model.model.visual."
+# The language model's every weight when it trains whole beside the LoRA (modules_to_save [language_model]): the
+# names the PEFT-wrapped model gives them (a LoRA-wrapped projection's own weight under `base_layer`), and its head
+LANGUAGE_PREFIX = "base_model.model.model.language_model."
+HEAD = "base_model.model.lm_head.weight"
 _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 # Wrapper segments that FSDP, activation checkpointing or torch.compile put into parameter names.
 _WRAPPER_SEGMENTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+# A parametrized weight's master (app.model.load.train_whole_modules): `x.parametrizations.weight.original`, `x.weight`
+_PARAMETRIZED = re.compile(r"\.parametrizations\.(\w+)\.original$")
 
 
 class AdapterMismatch(ValueError):
@@ -45,7 +51,8 @@ class AdapterSpec:
     rank: int
     alpha: int
     target_modules: tuple[str, ...]
-    modules_to_save: tuple[str, ...] = ()  # ("visual",): the vision tower's every weight, trained and synced too
+    # whole modules trained and synced too: "visual" (the vision tower), "language_model" (its every weight, head in)
+    modules_to_save: tuple[str, ...] = ()
 
     @classmethod
     def for_model(cls, text_config, settings: LoraSettings, vision_config=None) -> AdapterSpec:
@@ -55,6 +62,8 @@ class AdapterSpec:
             if vision_config is None:
                 raise AdapterMismatch("an adapter that trains the vision tower needs the model's vision config here")
             shapes.update(vision_shapes(vision_config))
+        if "language_model" in settings.modules_to_save:
+            shapes.update(language_shapes(text_config, settings.target_modules))
         return cls(
             shapes, settings.rank, settings.alpha, tuple(settings.target_modules), tuple(settings.modules_to_save)
         )
@@ -62,6 +71,11 @@ class AdapterSpec:
     @property
     def num_parameters(self) -> int:
         return sum(math.prod(shape) for shape in self.shapes.values())
+
+    @property
+    def whole_modules(self) -> dict[str, tuple[int, ...]]:
+        """The shapes of the weights that train whole (the vision tower's, the language model's), not the LoRA's."""
+        return {name: shape for name, shape in self.shapes.items() if not is_lora(name)}
 
     @property
     def lora_modules(self) -> int:
@@ -130,6 +144,29 @@ def vision_shapes(vision_config) -> dict[str, tuple[int, ...]]:
     return {VISION_PREFIX + name: tuple(p.shape) for name, p in tower.named_parameters()}
 
 
+def language_shapes(text_config, target_modules) -> dict[str, tuple[int, ...]]:
+    """The language model's every parameter (embeddings, decoder layers, final norm, and the output head unless it is
+    tied to the embeddings) under the names the LoRA-wrapped model gives them, from its config (meta device)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+
+    with torch.device("meta"):
+        text_model = Qwen3VLTextModel._from_config(text_config)
+    shapes = {}
+    for name, p in text_model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        if module.rpartition(".")[2] in target_modules:  # PEFT moves a wrapped projection's own weight down a level
+            name = f"{module}.base_layer.{leaf}"
+        shapes[LANGUAGE_PREFIX + name] = tuple(p.shape)
+    if not getattr(text_config, "tie_word_embeddings", False):
+        shapes[HEAD] = (text_config.vocab_size, text_config.hidden_size)
+    return shapes
+
+
+def is_language_weight(name: str) -> bool:
+    """A language-model weight trained whole (PEFT names), not a LoRA tensor."""
+    return (name.startswith(LANGUAGE_PREFIX) or name == HEAD) and not is_lora(name)
+
+
 def check_tower(tensors: dict[str, torch.Tensor]) -> None:
     """AdapterMismatch unless every name is a vision tower weight's (`base_model.model.model.visual.*`)."""
     unknown = sorted(k for k in tensors if not k.startswith(VISION_PREFIX))
@@ -144,7 +181,11 @@ def is_lora(name: str) -> bool:
 def held_name(peft_name: str) -> str:
     """`...language_model.layers.3.mlp.up_proj.lora_B.weight` -> `layers.3.mlp.up_proj.lora_B`: a projection's name
     that PEFT and vLLM (which renames modules and stacks q/k/v) can both be brought to. A vision tower weight
-    (`...model.visual.blocks.0.attn.qkv.weight`) keeps its name from `visual.` on, vLLM's name for it."""
+    (`...model.visual.blocks.0.attn.qkv.weight`) keeps its name from `visual.` on, vLLM's name for it; a language-model
+    weight becomes its name in the model folder less `model.` (`language_model.layers.0.self_attn.q_proj.weight`,
+    `lm_head.weight`), to which vLLM's stacked projections are split back."""
+    if is_language_weight(peft_name):
+        return peft_name.removeprefix("base_model.model.").removeprefix("model.").replace(".base_layer.", ".")
     if not is_lora(peft_name):
         return peft_name[peft_name.index("visual.") :]
     stem = peft_name[peft_name.index("layers.") :]
@@ -169,7 +210,7 @@ def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """PEFT saved names: no adapter name (`.default`), no FSDP/checkpoint wrapper segments."""
     out = {}
     for name, tensor in tensors.items():
-        clean = _WRAPPER_SEGMENTS.sub("", name).replace(".default.", ".")
+        clean = _PARAMETRIZED.sub(r".\1", _WRAPPER_SEGMENTS.sub("", name)).replace(".default.", ".")
         if not clean.startswith("base_model.model."):
             clean = "base_model.model." + clean
         out[clean] = tensor
@@ -332,9 +373,12 @@ def spec_from_peft_config(text_config, config: dict, vision_config=None) -> Adap
     if isinstance(targets, str):
         raise AdapterMismatch("adapter_config.json gives target_modules as a regex; list module names instead")
     saved = list(config.get("modules_to_save") or [])
-    if set(saved) - {"visual"}:
-        raise AdapterMismatch(f"the adapter saves whole modules {saved}; only the vision tower ([visual]) is known")
-    if saved and vision_config is None:
+    if set(saved) - {"visual", "language_model"}:
+        raise AdapterMismatch(
+            f"the adapter saves whole modules {saved}; only the vision tower (visual) and the language model "
+            "(language_model) are known"
+        )
+    if "visual" in saved and vision_config is None:
         raise AdapterMismatch("the adapter carries the vision tower (modules_to_save [visual]): LoRA-only path")
     settings = LoraSettings(
         rank=int(config["r"]), alpha=int(config["lora_alpha"]), target_modules=list(targets), modules_to_save=saved

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
+from torch.nn.utils import parametrize
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
 from app.config import LoraSettings
@@ -56,9 +57,9 @@ def lora_config(settings: LoraSettings):
 def apply_lora(model, settings: LoraSettings, adapter_init: str | os.PathLike | None = None):
     """Wraps the model with a trainable LoRA on the language model (from adapter_init when given)."""
 
-    if adapter_init is not None and "visual" in settings.modules_to_save:
+    if adapter_init is not None and settings.modules_to_save:
         peft_model = get_peft_model(model, lora_config(settings))
-        _load_with_tower(peft_model, adapter_init)
+        _load_with_whole_modules(peft_model, adapter_init, settings.modules_to_save)
     elif adapter_init is not None:
         peft_model = PeftModel.from_pretrained(model, str(adapter_init), is_trainable=True)
     else:
@@ -67,10 +68,11 @@ def apply_lora(model, settings: LoraSettings, adapter_init: str | os.PathLike | 
     return peft_model
 
 
-def _load_with_tower(peft_model, folder: str | os.PathLike) -> None:
-    """An adapter folder that carries the vision tower (modules_to_save [visual]) into a LoRA-wrapped model: the LoRA
-    through PEFT, the tower's weights into the model's own (in float32, as they were trained). PEFT's loader would
-    wrap the tower in a second copy of itself, which neither FSDP2's sharding nor the sync expects."""
+def _load_with_whole_modules(peft_model, folder: str | os.PathLike, modules) -> None:
+    """An adapter folder that carries whole modules (modules_to_save [visual], [visual, language_model]) into a
+    LoRA-wrapped model: the LoRA through PEFT, the modules' weights into the model's own (in float32, as they were
+    trained). PEFT's loader would wrap each module in a second copy of itself, which neither FSDP2's sharding nor the
+    sync expects."""
     from app.model.adapters import is_lora, read_peft_folder
 
     tensors, _ = read_peft_folder(folder)
@@ -78,7 +80,8 @@ def _load_with_tower(peft_model, folder: str | os.PathLike) -> None:
     result = set_peft_model_state_dict(peft_model, lora)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"{folder}: PEFT did not place {result.unexpected_keys[:3]}")
-    peft_model.base_model.model.model.visual.float()
+    for module in whole_modules(peft_model, modules):
+        module.float()
     copy_into_parameters(peft_model, {k: v for k, v in tensors.items() if not is_lora(k)})
 
 
@@ -112,22 +115,38 @@ def copy_into_parameters(model, tensors: dict[str, torch.Tensor]) -> None:
             params[name].copy_(value)
 
 
-def train_vision_tower(peft_model, compute_dtype: torch.dtype | None) -> None:
-    """Makes the vision tower (with its mergers) train whole (lora.modules_to_save [visual]), in float32 master
-    weights as PEFT keeps the LoRA's: a bf16 weight loses any update below 1/256 of itself. compute_dtype: the
-    tower's forward runs under autocast to it, as the engines' bf16 copies compute (None: the caller casts, as
-    FSDP2's mixed precision does)."""
-    tower = peft_model.base_model.model.model.visual
-    tower.float().requires_grad_(True)
-    if compute_dtype in (None, torch.float32):
-        return
-    forward, device_type = tower.forward, next(tower.parameters()).device.type
+def whole_modules(peft_model, names) -> list[nn.Module]:
+    """The modules lora.modules_to_save names: `visual` the vision tower with its mergers, `language_model` the
+    language model and its output head."""
+    inner = peft_model.base_model.model
+    found = {"visual": [inner.model.visual], "language_model": [inner.model.language_model, inner.lm_head]}
+    return [module for name in names for module in found[name]]
 
-    def computing_in_dtype(*args, **kwargs):
-        with torch.autocast(device_type, dtype=compute_dtype):
-            return forward(*args, **kwargs)
 
-    tower.forward = computing_in_dtype
+class _ComputeCopy(nn.Module):
+    """A float32 master weight seen by the forward as its copy in the compute dtype (torch's parametrization)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, master: torch.Tensor) -> torch.Tensor:
+        return master.to(self.dtype)
+
+
+def train_whole_modules(peft_model, names, compute_dtype: torch.dtype | None) -> None:
+    """Makes the modules lora.modules_to_save names train whole, in float32 master weights as PEFT keeps the LoRA's:
+    a bf16 weight loses any update below 1/256 of itself. compute_dtype: the forward sees each master as its copy in
+    that dtype (a parametrization: the gradient reaches the master), so the module computes as the engines' copies
+    do, activations and norms included; autocast alone would leave the residual stream in float32 (None: the caller
+    casts, as FSDP2's mixed precision does). The masters' names gain `parametrizations.<name>.original`, which
+    app.model.adapters.normalize_keys takes off."""
+    cast = compute_dtype not in (None, torch.float32)
+    for module in whole_modules(peft_model, names):
+        module.float().requires_grad_(True)
+        for owner in list(module.modules()) if cast else ():
+            for name, _ in list(owner.named_parameters(recurse=False)):
+                parametrize.register_parametrization(owner, name, _ComputeCopy(compute_dtype), unsafe=True)
 
 
 def assert_language_model_only(peft_model) -> None:

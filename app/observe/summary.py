@@ -6,6 +6,7 @@ kept as <run dir>/summary.txt.
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -93,10 +94,19 @@ def build_summary(
     ray = Path(sys.executable).with_name("ray")
     ray = shlex.quote(str(ray)) if ray.exists() else "ray"
     adapter = exports[-1].name if exports else "base"
+    serve = ["  serve the adapter and play held-out mazes through it (two shells):"]
+    if exports and _whole_model(exports[-1]):  # every weight trained: a whole model, served as the model
+        merged = shlex.quote(str(run_dir / f"model_{adapter}"))
+        serve = [
+            "  merge the exported policy (every weight trained) into a model folder, serve it as the model and play",
+            "  held-out mazes through it (two shells):",
+            f"    {python} scripts/merge_adapter.py {shlex.quote(str(exports[-1]))} {merged}",
+        ]
+        model_path, adapter = merged, "base"
     lines += [
         "",
         "next:",
-        "  serve the adapter and play held-out mazes through it (two shells):",
+        *serve,
         f"    {python} -m app.serve --model {shlex.quote(model_path)} --adapters "
         f"{shlex.quote(str(run_dir / 'export'))}",
         f"    {python} scripts/play.py --model {adapter} --config {shlex.quote(str(run_dir / 'config.yaml'))}",
@@ -107,6 +117,15 @@ def build_summary(
         f"    {python} -m app.main {rerun} train.max_steps={max(steps, default=0) * 2 or 20}",
     ]
     return "\n".join(lines)
+
+
+def _whole_model(export: Path) -> bool:
+    """Whether an exported folder carries the language model's every weight (lora.modules_to_save [language_model])."""
+    try:
+        config = json.loads((export / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "language_model" in (config.get("modules_to_save") or [])
 
 
 def write_summary(run_dir: str | Path, text: str) -> Path:

@@ -150,6 +150,11 @@ def parse_adapter(
     for flag in ("use_dora", "use_rslora"):
         if config.get(flag):
             raise AdapterUnusable(f"{flag} adapters are not served (plain LoRA only)")
+    if "language_model" in (config.get("modules_to_save") or []):
+        raise AdapterUnusable(
+            "the adapter carries the language model's every weight (modules_to_save [language_model]): it is a whole "
+            "model, not an adapter to swap; merge it with scripts/merge_adapter.py and serve that folder as the model"
+        )
     try:
         spec = adapters.spec_from_peft_config(text_config, config, vision_config)
     except (KeyError, TypeError, ValueError) as e:  # AdapterMismatch is a ValueError

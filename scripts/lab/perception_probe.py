@@ -73,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     from app.driver.preflight import model_cache
     from app.learning import grpo
     from app.learning.batch import build_items
-    from app.learning.sft import export_full_model, perception_example
+    from app.learning.sft import perception_example
     from app.learning.training import PolicyTrainer
     from app.model.build import ensure_model
+    from app.model.merge import export_full_model
     from app.world.sampler import MazeSampler, eval_mazes
 
     torch.manual_seed(cfg.train.seed)

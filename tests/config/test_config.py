@@ -136,7 +136,14 @@ BAD = [
     ("continuous-on-hf", None, ["rollout.engine=hf", "rollout.schedule=continuous"], "rollout.schedule", "vLLM", False),
     ("glob-in-output-dir", None, ["rollout.engine=vllm", "output_dir=/tmp/run[1]"], "output_dir", "glob", False),
     ("glob-in-model-path", None, ["rollout.engine=vllm", "model.path=/m/qwen*"], "model.path", "glob", False),
-    ("tower-rate-without-tower", None, ["lora.tower_lr_scale=0.5"], "lora.tower_lr_scale", "no vision tower", False),
+    (
+        "tower-rate-without-tower",
+        None,
+        ["lora.tower_lr_scale=0.5"],
+        "lora.tower_lr_scale",
+        "only the LoRA trains",
+        False,
+    ),
     (
         "compiled-layers-on-ranks",
         None,

