@@ -100,3 +100,31 @@ def test_lora_precision_scores_an_engines_episodes_with_the_lora_each_way(tmp_pa
     assert all(0 < way["logprob_mismatch_mean"] < 0.02 for way in (ours, layers, peft))
     assert ours["logprob_mismatch_mean"] != peft["logprob_mismatch_mean"]  # the ways compute differently
     assert "model dtype / float32, median of 1" in done.stdout
+
+
+def test_whole_modules_precision_scores_each_trainable_set_both_ways(tmp_path, tiny_model_dir):
+    """scripts/bench/whole_modules_precision.py with the transformers engine in bf16 (the trainer's arithmetic): each
+    trainable set scored on the same episodes; whole modules computed as bf16 copies of their masters stay at the
+    LoRA-only mismatch, under autocast only (a float32 residual stream) they do not."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "whole.jsonl"
+    done = subprocess.run(
+        [sys.executable, "scripts/bench/whole_modules_precision.py", "--sft-steps", "5", "--engine", "hf", "--cache"]
+        + [str(Path(tiny_model_dir).parent), "--out", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = [json.loads(line) for line in out.read_text().splitlines()]
+    ways = {k: v for k, v in result.items() if k not in ("sft_steps", "engine")}
+    assert set(ways) == {"lora", "tower", "tower, autocast only", "every weight", "every weight, autocast only"}
+    assert all(0 < v < 0.05 for v in ways.values())
+    assert ways["every weight"] <= 1.5 * ways["lora"] and ways["every weight"] < ways["every weight, autocast only"]
+    assert "every weight / lora, median of 1" in done.stdout
