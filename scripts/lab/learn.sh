@@ -29,7 +29,8 @@
 #       checkpoint when WORK holds one; beside it on the same GPU the control: the same checkpoint's SFT
 #       continued for the same wall time (continuing the previous control when there is one); CONTROL_TRAINS=same: the
 #       control trains what the GRPO run trains (its LoRA, and the vision tower when EXTRA has
-#       lora.modules_to_save=[visual]) from the same start instead of every weight (the default, full). The stage takes
+#       lora.modules_to_save=[visual], every weight with [visual,language_model]) from the same start instead of
+#       every weight merged (the default, full). The stage takes
 #       ~MINUTES + 1.7 minutes (engine start, the control's last evaluation and save; 5.0 took 403 s): in a
 #       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
 #       before the table printed). A GRPO run with CUDA graphs (rollout.enforce_eager=false, as scripts/lab/configs/learn_h200.yaml
