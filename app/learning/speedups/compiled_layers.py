@@ -6,6 +6,10 @@ device time. Inductor fuses them into a few kernels. Each layer compiles with dy
 another length reuse the compiled code; every layer runs the same code, so one compile serves all of them. One trainer
 rank only: FSDP2's hooks on the sharded layers are not part of what is compiled here (app/config/checks.py refuses
 several ranks).
+
+Inductor keeps a fused kernel's intermediates in float32 where eager bf16 rounds each op's result to bf16; the
+engines round as eager does, so compiled layers emulate those casts (`emulate_precision_casts`) and score the
+engine's tokens as the eager trainer does.
 """
 
 from __future__ import annotations
@@ -17,5 +21,5 @@ def compile_language_layers(model: nn.Module) -> int:
     """Compiles each decoder layer of the (PEFT-wrapped) Qwen3-VL language model in place; returns how many."""
     layers = model.base_model.model.model.language_model.layers
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, options={"emulate_precision_casts": True})
     return len(layers)
