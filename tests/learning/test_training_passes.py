@@ -176,10 +176,14 @@ def test_compiled_layers_train_the_same_step_as_eager_ones(tiny_model_dir, batch
         assert ((compiled_lora[name] - value).abs() > 1e-6).float().mean() < 0.01, name
 
 
-def test_compiled_layers_in_bf16_score_the_engines_tokens_as_the_eager_trainer(tiny_model_dir, tiny_lora, codec):
+@pytest.mark.parametrize("trains", ["[]", "[visual,language_model]"], ids=["lora", "every_weight"])
+def test_compiled_layers_in_bf16_score_the_engines_tokens_as_the_eager_trainer(
+    tiny_model_dir, tiny_lora, codec, trains
+):
     """In bf16 the compiled layers round as eager ones do (inductor's `emulate_precision_casts`): without it their
     fused kernels kept intermediates in float32, and the mismatch against a bf16 engine's log-probabilities was 4.4
-    times the eager trainer's (4.4e-3 against 1.0e-3 on these episodes)."""
+    times the eager trainer's (4.4e-3 against 1.0e-3 on these episodes). Every weight trained: the compiled layers
+    hold parametrized weights (bf16 copies of float32 masters)."""
     from app.learning.training import PolicyTrainer
     from app.rollout.engines.base import Sampling
     from app.rollout.engines.hf import HFEngine
@@ -194,7 +198,13 @@ def test_compiled_layers_in_bf16_score_the_engines_tokens_as_the_eager_trainer(t
     played = [dataclasses.replace(t, reward=float(t.sample % 2)) for t in played]
 
     def mismatch(*overrides):
-        cfg = tiny_config("train.micro_batch=8", "placement.num_bundles=1", "model.dtype=bfloat16", *overrides)
+        cfg = tiny_config(
+            "train.micro_batch=8",
+            "placement.num_bundles=1",
+            "model.dtype=bfloat16",
+            f"lora.modules_to_save={trains}",
+            *overrides,
+        )
         return PolicyTrainer(cfg, tiny_model_dir).train_step(played)["logprob_mismatch_mean"]
 
     eager, compiled = mismatch(), mismatch("model.compile_layers=true")
