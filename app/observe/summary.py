@@ -103,12 +103,14 @@ def build_summary(
             f"    {python} scripts/merge_adapter.py {shlex.quote(str(exports[-1]))} {merged}",
         ]
         model_path, adapter = merged, "base"
+    serve_cmd = f"    {python} -m app.serve --model {shlex.quote(model_path)}"
+    if adapter != "base":
+        serve_cmd += f" --adapters {shlex.quote(str(run_dir / 'export'))}"
     lines += [
         "",
         "next:",
         *serve,
-        f"    {python} -m app.serve --model {shlex.quote(model_path)} --adapters "
-        f"{shlex.quote(str(run_dir / 'export'))}",
+        serve_cmd,
         f"    {python} scripts/play.py --model {adapter} --config {shlex.quote(str(run_dir / 'config.yaml'))}",
         "  the same job on a Ray cluster (ray start --head there, or see docs/OPERATING.md for KubeRay):",
         f"    {ray} job submit --address {ray_address or 'http://HEAD:8265'} --working-dir . -- "

@@ -131,6 +131,11 @@ def fit_to_spec(tensors: dict[str, torch.Tensor], spec: AdapterSpec, target: Ada
     return out
 
 
+def is_whole_model(config: dict) -> bool:
+    """An export that trained the language model's every weight: a whole model in adapter form, served only merged."""
+    return "language_model" in (config.get("modules_to_save") or [])
+
+
 def parse_adapter(
     config_bytes: bytes, weight_bytes: bytes, text_config, target: AdapterSpec, vision_config=None
 ) -> dict[str, torch.Tensor]:
@@ -150,7 +155,7 @@ def parse_adapter(
     for flag in ("use_dora", "use_rslora"):
         if config.get(flag):
             raise AdapterUnusable(f"{flag} adapters are not served (plain LoRA only)")
-    if "language_model" in (config.get("modules_to_save") or []):
+    if is_whole_model(config):
         raise AdapterUnusable(
             "the adapter carries the language model's every weight (modules_to_save [language_model]): it is a whole "
             "model, not an adapter to swap; merge it with scripts/merge_adapter.py and serve that folder as the model"
@@ -184,14 +189,15 @@ class AdapterRegistry:
 
     def __init__(
         self,
-        store: Store,
+        store: Store | None,
         text_config,
         target: AdapterSpec,
         max_cached: int = 4,
         max_adapter_bytes: int = 4 << 30,
         vision_config=None,
     ):
-        """vision_config: the base model's, to take adapters that carry a trained vision tower (None: refused)."""
+        """store None: no adapters root (the base model alone is served). vision_config: the base model's, to take
+        adapters that carry a trained vision tower (None: refused)."""
         if max_cached < 1:
             raise ValueError(f"max_cached must be >= 1, got {max_cached}")
         self.store, self.text_config, self.target, self.vision_config = store, text_config, target, vision_config
@@ -199,6 +205,7 @@ class AdapterRegistry:
         self._cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
+        self._whole_models: dict[str, bool] = {}  # per complete adapter: a whole model (exports never change)
         self._stats = {
             "storage_reads": 0,
             "storage_lists": 0,
@@ -210,10 +217,27 @@ class AdapterRegistry:
 
     # ------------------------------------------------------------ discovery
     def available(self) -> list[str]:
-        """Complete adapters under the root right now (one listing; StorageUnavailable when it cannot be read)."""
+        """Complete adapters under the root right now that the engine can swap in (one listing, and each new name's
+        config read once: whole-model exports are left out); StorageUnavailable when the root cannot be read."""
+        if self.store is None:
+            return []
         with self._lock:
             self._stats["storage_lists"] += 1
-        return complete_adapters(self.store.list(""))
+        names = complete_adapters(self.store.list(""))
+        return [name for name in names if not self._whole_model(name)]
+
+    def _whole_model(self, name: str) -> bool:
+        with self._lock:
+            known = self._whole_models.get(name)
+        if known is None:
+            try:
+                config = json.loads(self._read(f"{name}/{ADAPTER_CONFIG}"))
+                known = isinstance(config, dict) and is_whole_model(config)
+            except (FileNotFoundError, ValueError):
+                return False  # listed, and a request for it says what is wrong with it
+            with self._lock:
+                self._whole_models[name] = known
+        return known
 
     def cached(self) -> list[str]:
         with self._lock:
@@ -226,7 +250,7 @@ class AdapterRegistry:
                 "downloads": dict(self._stats["downloads"]),
                 "cached": list(self._cache),
                 "max_cached": self.max_cached,
-                "root": self.store.describe(),
+                "root": self.store.describe() if self.store is not None else None,
             }
 
     # ------------------------------------------------------------ loading
@@ -265,6 +289,8 @@ class AdapterRegistry:
         return tensors
 
     def _read(self, key: str) -> bytes:
+        if self.store is None:
+            raise FileNotFoundError(key)
         with self._lock:
             self._stats["storage_reads"] += 1
         return self.store.get_bytes(key)

@@ -33,7 +33,7 @@ class ServeSettings:
     """Everything a replica needs; plain values, so Ray can ship it. The token travels only as its sha256."""
 
     model_path: str
-    adapters_root: str
+    adapters_root: str | None = None  # None: the base model alone (a merged model, say)
     s3_endpoint_url: str | None = None
     engine: str = "hf"  # hf or vllm (serve-llm is a different app, see build_serve_llm_app)
     base_name: str = "base"

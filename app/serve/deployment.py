@@ -2,7 +2,7 @@
 
 Start it (one command; Ctrl-C stops it; it starts a local Ray unless --address names a cluster):
 
-    python -m app.serve --model PATH_OR_tiny --adapters s3://bucket/prefix/export|DIR \\
+    python -m app.serve --model PATH_OR_tiny [--adapters s3://bucket/prefix/export|DIR] \\
         [--engine hf|vllm|serve-llm] [--host 127.0.0.1] [--port 8000] [--token-env VAR] \\
         [--s3-endpoint-url URL] [--max-cached-adapters 4] [--lora-rank R --lora-alpha A] [--address auto]
 
@@ -11,7 +11,9 @@ then play mazes through it: `python scripts/play.py --base-url http://127.0.0.1:
 The API (OpenAI's schema; every error is `{"error": {"message", "type", "code"}}`):
 
     GET  /v1/models             `base` and every complete adapter under the root, listed at request time
-                                (an adapter uploaded after the start is found)
+                                (an adapter uploaded after the start is found); without --adapters, `base`
+                                alone. An every-weight export (modules_to_save [language_model]) is not listed:
+                                it is a whole model, served merged (scripts/merge_adapter.py) as --model
     POST /v1/chat/completions   model: `base` or an adapter name (`global_step_000020`, `run/global_step_000020`;
                                 `base:<adapter>`, the name ray.serve.llm uses, is accepted too); messages as
                                 app.world.dialogue writes them, images as `image_url` parts with base64 data URLs
@@ -131,24 +133,26 @@ def build_serve_llm_app(settings: ServeSettings, *, num_replicas: int = 1, max_l
     pyarrow)."""
     from ray.serve.llm import LLMConfig, build_openai_app  # lazy: GPU stack only (no pyarrow in the CPU venv)
 
-    if not settings.adapters_root.startswith("s3://"):
+    root = settings.adapters_root
+    if root is not None and not root.startswith("s3://"):
         raise ValueError("ray.serve.llm loads adapters from cloud storage only: --adapters must be s3://...")
     engine_kwargs = {
         "dtype": settings.dtype,
         "max_model_len": settings.max_model_len,
-        "enable_lora": True,
-        "max_lora_rank": max_lora_rank,
-        "max_loras": settings.max_cached_adapters,
         "limit_mm_per_prompt": {"image": settings.max_images},
         "enforce_eager": True,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
     }
+    lora_config = None
+    if root is not None:  # without a root the model alone is served (a merged model, say)
+        engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=settings.max_cached_adapters)
+        lora_config = {
+            "dynamic_lora_loading_path": root.rstrip("/"),
+            "max_num_adapters_per_replica": settings.max_cached_adapters,
+        }
     config = LLMConfig(
         model_loading_config={"model_id": settings.base_name, "model_source": settings.model_path},
-        lora_config={
-            "dynamic_lora_loading_path": settings.adapters_root.rstrip("/"),
-            "max_num_adapters_per_replica": settings.max_cached_adapters,
-        },
+        lora_config=lora_config,
         engine_kwargs=engine_kwargs,
         deployment_config={"num_replicas": num_replicas},
         runtime_env={"env_vars": {"AWS_ENDPOINT_URL": settings.s3_endpoint_url}} if settings.s3_endpoint_url else None,
@@ -166,7 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help="local folder of the base model (HF format), or 'tiny'")
-    p.add_argument("--adapters", required=True, help="adapters root: s3://bucket/prefix or a local directory")
+    p.add_argument(
+        "--adapters", help="adapters root: s3://bucket/prefix or a local directory (none: the model alone is served)"
+    )
     p.add_argument("--engine", choices=("hf", "vllm", "serve-llm"), default="hf")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to expose it)")
     p.add_argument("--port", type=int, default=8000)
@@ -208,7 +214,9 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         if not token:
             raise SystemExit(f"--token-env {args.token_env}: the variable is not set or empty")
         token_sha256 = token_digest(token)
-    adapters = args.adapters if args.adapters.startswith("s3://") else str(Path(args.adapters).expanduser().resolve())
+    adapters = args.adapters
+    if adapters and not adapters.startswith("s3://"):
+        adapters = str(Path(adapters).expanduser().resolve())
     return ServeSettings(
         model_path=str(Path(model).resolve()),
         adapters_root=adapters,

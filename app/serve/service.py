@@ -51,7 +51,8 @@ log = logging.getLogger("mazerl.serve")
 
 
 def open_adapter_store(settings: ServeSettings):
-
+    if settings.adapters_root is None:
+        return None
     if settings.adapters_root.startswith("s3://"):
         return S3Store(
             settings.adapters_root,
@@ -66,7 +67,9 @@ def engine_lora_settings(settings: ServeSettings, store):
     """The engine's LoRA shape: the flags, else the newest adapter's at start, else LoraSettings' defaults."""
 
     found: dict = {}
-    if settings.lora_rank is None or settings.lora_alpha is None or settings.lora_targets is None:
+    if store is not None and (
+        settings.lora_rank is None or settings.lora_alpha is None or settings.lora_targets is None
+    ):
         try:
             names = complete_adapters(store.list(""))
             if names:
@@ -139,7 +142,7 @@ class MazeService:
             settings.engine,
             self.lora.rank,
             self.lora.alpha,
-            store.describe(),
+            store.describe() if store is not None else "nowhere (the model alone)",
         )
 
     # ------------------------------------------------------------ plumbing

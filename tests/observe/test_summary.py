@@ -62,7 +62,7 @@ def test_a_run_that_trained_every_weight_is_merged_and_served_as_the_model(tmp_p
     text = build_summary(run_dir, 1000.0, 1130.0, "configs/tiny.yaml", [], "tiny", None)
     merged = run_dir / "model_global_step_000002"
     assert f"{sys.executable} scripts/merge_adapter.py {export} {merged}" in text
-    assert f"-m app.serve --model {merged} --adapters" in text and "scripts/play.py --model base" in text
+    assert f"-m app.serve --model {merged}\n" in text and "scripts/play.py --model base" in text
 
 
 def test_where_the_time_went_adds_up_to_the_wall_time(tmp_path):

@@ -168,3 +168,37 @@ def test_the_export_merges_into_a_model_folder_that_plays_as_the_policy(trainer,
         timeout=300,
     )
     assert refused.returncode == 2 and "base model" in refused.stderr
+    served_alone_as_the_model_and_left_out_of_a_listing(trainer, folder, tmp_path / "merged", merged)
+
+
+def served_alone_as_the_model_and_left_out_of_a_listing(trainer, export, merged_dir, merged_engine):
+    """The merged folder served with no adapters root answers `base` as the engine holding it does; an adapters root
+    holding the export beside a LoRA-only adapter lists the LoRA-only one alone."""
+    import asyncio
+    import shutil
+
+    from app.rollout.engines.base import Prompt
+    from app.serve.adapters import AdapterRegistry
+    from app.serve.api import ServeSettings, encode_conversation, parse_chat_request
+    from app.serve.client import ServedEpisode
+    from app.serve.service import MazeService
+    from app.storage import open_store
+
+    service = MazeService(ServeSettings(model_path=str(merged_dir), max_model_len=2048, max_tokens_cap=64))
+    assert [m["id"] for m in asyncio.run(service.models(None))["data"]] == ["base"]
+    assert service.stats_dict()["registry"]["root"] is None
+    for seed in range(3):  # a maze's opening turn as the API takes it: the served answer is the merged engine's
+        messages = ServedEpisode(generate_maze(seed, SETTINGS.maze_size), SETTINGS).messages()
+        body = {"model": "base", "messages": messages, "temperature": 0, "max_tokens": 12, "return_token_ids": True}
+        served = asyncio.run(service.complete(body))["choices"][0]["token_ids"]
+        ids, images = encode_conversation(service._prep_codec, parse_chat_request(body, service.settings).messages)
+        assert served == merged_engine.generate([Prompt(ids, images)], GREEDY)[0].token_ids
+    root = merged_dir.parent / "root"
+    shutil.copytree(export, root / "whole")
+    lora_only = {k: v for k, v in trainer.trained_tensors().items() if adapters.is_lora(k)}
+    spec = adapters.AdapterSpec.for_model(trainer.model.base_model.model.config.text_config, LoraSettings(8, 16))
+    adapters.write_peft_folder(lora_only, spec, root / "plain")
+    text_config = trainer.model.base_model.model.config.text_config
+    registry = AdapterRegistry(open_store(str(root)), text_config, spec)
+    assert registry.available() == ["plain"]
+    assert registry.available() == ["plain"] and registry.stats()["storage_reads"] == 2  # read once

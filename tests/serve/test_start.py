@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -27,3 +29,15 @@ def test_without_an_address_the_server_starts_its_own_cluster(monkeypatch, tiny_
     with pytest.raises(Joined):
         deployment.main(["--model", str(tiny_model_dir), "--adapters", str(tmp_path), *argv])
     assert seen["address"] == address
+
+
+def test_without_adapters_the_model_alone_is_served(tiny_model_dir, tmp_path):
+    """A merged model (every weight trained) is served as --model with no adapters root; a root is kept as given."""
+    from app.serve import deployment
+
+    alone = deployment.settings_from_args(deployment.parse_args(["--model", str(tiny_model_dir)]))
+    assert alone.adapters_root is None
+    local = deployment.settings_from_args(deployment.parse_args(["--model", str(tiny_model_dir), "--adapters", "x"]))
+    assert local.adapters_root == str(Path("x").resolve())
+    s3 = ["--model", str(tiny_model_dir), "--adapters", "s3://bucket/run/export"]
+    assert deployment.settings_from_args(deployment.parse_args(s3)).adapters_root == "s3://bucket/run/export"
