@@ -76,12 +76,6 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             "[language_model] the language model under the adapter trains too: the reference would move every step",
             "set train.kl_coef=0 (train.max_update_kl bounds how far a step moves the policy instead)",
         )
-    if m.compile_layers and p.num_bundles > 1:
-        raise ConfigError(
-            "model.compile_layers",
-            f"the trainer has {p.num_bundles} ranks; compiled layers run on one (FSDP2's hooks are not compiled)",
-            "set model.compile_layers=false, or placement.num_bundles=1",
-        )
     if cfg.maze.size % 2 == 0:
         raise ConfigError("maze.size", f"{cfg.maze.size} is even", "use an odd size such as 7, 9 or 11")
     need = min_maze_turns(cfg.maze.size)

@@ -41,7 +41,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = knob("float32", "weights and compute dtype")
     gradient_checkpointing: bool = knob(False, "recompute activations in the backward pass to save memory")
     compile_layers: bool = knob(
-        False, "the trainer's decoder layers compiled by torch.compile: fused elementwise kernels (one trainer rank)"
+        False, "the trainer's decoder layers compiled by torch.compile: fused elementwise kernels, ~1 min at start"
     )
 
 

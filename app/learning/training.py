@@ -67,6 +67,8 @@ class PolicyTrainer:
             cfg.train.vision_cache_gb > 0 and not train_base and not self.distributed and not cfg.lora.modules_to_save
         ):  # why not: app/learning/speedups/vision_cache.py; a trained tower changes its outputs every step
             self.vision_cache = VisionCache(self.model.base_model.model.model, int(cfg.train.vision_cache_gb * 2**30))
+        if cfg.model.compile_layers:  # before FSDP2 wraps the layers: its hooks run eagerly around the compiled code
+            compile_language_layers(self.model)
         if self.distributed:
             self._shard_with_fsdp2()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -81,8 +83,6 @@ class PolicyTrainer:
             )
         self.forward = PolicyForward(self.model, self.codec, self.device, cfg.rollout.temperature, compute_dtype)
         self.forward.pictures, self.forward.vision_cache = self.pictures, self.vision_cache
-        if cfg.model.compile_layers and not self.distributed:  # app/config/checks.py refuses several ranks
-            compile_language_layers(self.model)
 
     def _shard_with_fsdp2(self) -> None:
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.cfg.model.dtype), reduce_dtype=torch.float32)

@@ -145,14 +145,6 @@ BAD = [
         False,
     ),
     (
-        "compiled-layers-on-ranks",
-        None,
-        ["model.compile_layers=true", "placement.num_bundles=2"],
-        "model.compile_layers",
-        "2 ranks",
-        False,
-    ),
-    (
         "keep-weights-no-sleep",
         None,
         ["rollout.sleep_level=0", "rollout.keep_weights=true"],

@@ -3,9 +3,9 @@
 Between its matrix products a decoder layer runs a few dozen elementwise kernels (the RMS norms and their float32
 round trips, rotary positions, SwiGLU, residual adds), which in an 8B step on the H200 held about a third of the
 device time. Inductor fuses them into a few kernels. Each layer compiles with dynamic shapes, so micro-batches of
-another length reuse the compiled code; every layer runs the same code, so one compile serves all of them. One trainer
-rank only: FSDP2's hooks on the sharded layers are not part of what is compiled here (app/config/checks.py refuses
-several ranks).
+another length reuse the compiled code; every layer runs the same code, so one compile serves all of them. With
+several trainer ranks the layers are compiled before FSDP2 shards them: its gathering hooks run eagerly around the
+compiled code (torch._dynamo skips FSDP2's hooks by default).
 
 Inductor keeps a fused kernel's intermediates in float32 where eager bf16 rounds each op's result to bf16; the
 engines round as eager does, so compiled layers emulate those casts (`emulate_precision_casts`) and score the
