@@ -99,7 +99,9 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    overrides = list(args.overrides) + ([f"model.path={args.model}"] if args.model else [])
+    # no engine is built here: the config's engine is checked as hf, so a machine without vLLM profiles the trainer
+    overrides = ["rollout.engine=hf", "rollout.engine_process=false", *args.overrides]
+    overrides += [f"model.path={args.model}"] if args.model else []
     if args.device == "cpu":
         overrides += ["model.dtype=float32", "rollout.engine=hf", "placement.gpus_per_bundle=0"]
     cfg = load_config(args.config, overrides)
