@@ -214,10 +214,17 @@ def test_a_trained_vision_tower_reaches_an_engine_in_its_own_process_bit_for_bit
         shared.wake()
 
 
-def test_compiled_layers_train_the_eager_step_in_bf16(gpu_setup):
+def test_compiled_layers_train_the_eager_step_in_bf16(gpu_setup, monkeypatch):
     """model.compile_layers on the GPU: inductor's fused kernels give the eager trainer's step (bf16 rounding apart),
     and their log-probabilities stay within the engine-mismatch bound above."""
     import dataclasses
+    import os
+
+    import torch._inductor.config
+
+    # `import vllm` sets TORCHINDUCTOR_COMPILE_THREADS=1 for this whole process; a trainer actor has no vLLM and
+    # compiles on every core, as this test then does (one thread took over two minutes here)
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", min(os.cpu_count() or 1, 32))
 
     from app.learning.training import PolicyTrainer
     from app.rollout.engines.base import Sampling
