@@ -2,8 +2,12 @@
 # On the H200 machine: checks, reassembles and installs the vLLM + Ray wheel bundle that
 # ../shared/gpu/pack.sh built and earlier device calls copied piece by piece into W (default /tmp/w).
 #   bash scripts/bench/install_gpu.sh [W]      (expects .gpu-wheels/SHA256SUMS carried with this call)
+# Wheels in .gpu-wheels/extra (scripts/bench/pack_extra.sh: boto3, py-spy), when carried too, install first.
 set -euo pipefail
 W=${1:-/tmp/w}
+if compgen -G ".gpu-wheels/extra/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile .gpu-wheels/extra/*.whl && echo "installed $(ls .gpu-wheels/extra)"
+fi
 python3 -c "import vllm, ray" 2>/dev/null && { echo "vllm and ray already installed"; exit 0; }
 cp .gpu-wheels/SHA256SUMS "$W/"
 (cd "$W" && sha256sum -c --quiet SHA256SUMS)

@@ -5,19 +5,22 @@ whole history, 16 new tokens a reply, temperature 1, a random adapter (r32) push
 (one packed host buffer). Per configuration (one process each, since vLLM reads its process mode at start):
 
     python scripts/bench/schedules.py --model DIR --schedule lockstep|continuous [--engine-process] [--graphs]
+                                      [--tower] [--keep-weights] [--py-spy RAW]
 
 Reported (one JSON line, then a table row): engine start; rollout seconds and generated tokens per round (median of
 --rounds after one warm-up round); the GPU's busy share during the rounds (nvidia-smi's utilization, sampled every
 100 ms); the sync as the loop does it (asleep -> wake the weights, load the adapter, wake the KV cache) and the
 adapter load alone while awake (medians of 3); whether the adapter the worker holds equals the one sent, bit for
-bit; and whether greedy episodes play the same after the sleeps as before them. On a CPU (no --model) it runs the
-tiny model, to check the script.
+bit, after the first load and again after the sleeps; and whether greedy episodes play the same twice in a row and
+after the sleeps as before them. On a CPU (no --model) it runs the tiny model, to check the script.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,6 +76,15 @@ class GpuBusy:
         return round(statistics.mean(self.samples) / 100, 3) if self.samples else None
 
 
+def sample_this_process(raw_path: str) -> subprocess.Popen:
+    """py-spy attached to this process and its children (the engine core) from now on, not through the engine's
+    start, whose minutes of compiling a whole-run profile would spend its time on."""
+    cmd = ["py-spy", "record", "--pid", str(os.getpid()), "--subprocesses", "--idle", "-r", "100"]
+    sampler = subprocess.Popen([*cmd, "--format", "raw", "-o", raw_path])
+    time.sleep(2)  # attached before the first round
+    return sampler
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a Qwen3-VL folder (scripts/make_model.py --shape 8b); none: the tiny model")
@@ -86,6 +98,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-turns", type=int, default=13)
     ap.add_argument("--json", help="append the result here")
+    ap.add_argument("--py-spy", metavar="RAW", help="py-spy samples of the rounds (this process and the engine core)")
     args = ap.parse_args()
 
     gpu = torch.cuda.is_available()
@@ -133,6 +146,7 @@ def main() -> None:
         return [t.replies for t in play_episodes(engine, engine.codec, requests[:8:2], settings, Sampling(16, 0.0))]
 
     before = probe()
+    result["same_twice"] = probe() == before  # greedy play repeats itself before any sleep (else: not a sleep's doing)
     syncs, loads = [], []
     for version in (1, 2, 3):
         engine.sleep()
@@ -145,15 +159,21 @@ def main() -> None:
         loads.append(time.perf_counter() - t)
     result.update(sync_s=round(statistics.median(syncs), 3), load_awake_s=round(statistics.median(loads), 3))
     engine.load_lora(packed, 0)
+    held = engine.lora_state()
+    result["held_equal_after"] = set(held) == set(sent) and all(torch.equal(held[k], sent[k].cpu()) for k in sent)
     result["same_after_sleeps"] = probe() == before
     play_episodes(engine, engine.codec, requests[:16], settings, Sampling(16, 1.0, seed=99))  # warm-up
     rounds = []
+    sampler = sample_this_process(args.py_spy) if args.py_spy else None
     for r in range(args.rounds):
         with GpuBusy() as busy:
             t = time.perf_counter()
             played = play_episodes(engine, engine.codec, requests, settings, Sampling(16, 1.0, seed=r))
             seconds = time.perf_counter() - t
         rounds.append((seconds, sum(x.num_generated_tokens for x in played), busy.share))
+    if sampler is not None:
+        sampler.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
+        sampler.wait(timeout=120)
     result.update(
         rollout_s=round(statistics.median(s for s, _, _ in rounds), 2),
         rollout_rounds_s=[round(s, 2) for s, _, _ in rounds],
