@@ -5,8 +5,13 @@
 # Wheels in .gpu-wheels/extra (scripts/bench/pack_extra.sh: boto3, py-spy), when carried too, install first.
 set -euo pipefail
 W=${1:-/tmp/w}
-if compgen -G ".gpu-wheels/extra/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile .gpu-wheels/extra/*.whl && echo "installed $(ls .gpu-wheels/extra)"
+missing=()
+for whl in .gpu-wheels/extra/*.whl; do  # only what the image lacks: its own versions of the others stay
+  [ -f "$whl" ] || continue
+  python3 -m pip show -q "$(basename "$whl" | cut -d- -f1)" > /dev/null 2>&1 || missing+=("$whl")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile "${missing[@]}" && echo "installed ${missing[*]}"
 fi
 python3 -c "import vllm, ray" 2>/dev/null && { echo "vllm and ray already installed"; exit 0; }
 cp .gpu-wheels/SHA256SUMS "$W/"

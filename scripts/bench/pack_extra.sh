@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 DEST=.gpu-wheels/extra
 grep -qx "/.gpu-wheels/" .git/info/exclude 2>/dev/null || echo "/.gpu-wheels/" >> .git/info/exclude
 rm -rf "$DEST"; mkdir -p "$DEST"
-pins=$(grep -E "^(boto3|botocore|s3transfer|jmespath)==" requirements/cpu.lock)
+pins=$(grep -E "^(boto3|botocore|s3transfer|jmespath|python-dateutil|six|urllib3)==" requirements/cpu.lock)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
   --platform manylinux1_x86_64 -d "$DEST" $pins py-spy==0.4.1
