@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads, here, the wheels that the device's image lacks beside the vLLM + Ray bundle: boto3 and its own needs
 # (the driver imports app.storage, which holds the S3 store) and py-spy (profiles), at requirements/cpu.lock's
-# versions, into .gpu-wheels/extra (git-ignored, ~15 MB). Carry the folder with the call that runs install_gpu.sh.
+# versions, into .gpu-wheels/extra (git-ignored, ~20 MB). Carry the folder with the call that runs install_gpu.sh.
 #   bash scripts/bench/pack_extra.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -136,8 +136,13 @@ def main() -> None:
     tensors = {k: torch.randn(s, generator=g, device=device, dtype=dtype) * 0.01 for k, s in engine.spec.shapes.items()}
     packed = adapters.pack(tensors)  # what the trainer hands the rollout actors
     engine.load_lora(packed, 0)
-    held, sent = engine.lora_state(), adapters.held_form(tensors, lora.rank, lora.alpha, dtype)
-    result["held_equal"] = set(held) == set(sent) and all(torch.equal(held[k], sent[k].cpu()) for k in sent)
+    sent = adapters.held_form(tensors, lora.rank, lora.alpha, dtype)
+
+    def held_as_sent() -> bool:  # what the worker holds, read back, against what was sent
+        held = engine.lora_state()
+        return set(held) == set(sent) and all(torch.equal(held[k], sent[k].cpu()) for k in sent)
+
+    result["held_equal"] = held_as_sent()
 
     settings = EpisodeSettings(args.max_turns, 9, 32, 0, 8192)
     requests = [EpisodeRequest(generate_maze(100 + i // 8, 9), i // 8, i % 8) for i in range(args.mazes * 8)]
@@ -159,8 +164,7 @@ def main() -> None:
         loads.append(time.perf_counter() - t)
     result.update(sync_s=round(statistics.median(syncs), 3), load_awake_s=round(statistics.median(loads), 3))
     engine.load_lora(packed, 0)
-    held = engine.lora_state()
-    result["held_equal_after"] = set(held) == set(sent) and all(torch.equal(held[k], sent[k].cpu()) for k in sent)
+    result["held_equal_after"] = held_as_sent()
     result["same_after_sleeps"] = probe() == before
     play_episodes(engine, engine.codec, requests[:16], settings, Sampling(16, 1.0, seed=99))  # warm-up
     rounds = []
