@@ -27,10 +27,11 @@
 #   bash scripts/lab/learn.sh grpo OUT WORK MINUTES
 #       GRPO (app.main, vLLM rollouts, LoRA r32) from the chosen checkpoint, resuming from its latest
 #       checkpoint when WORK holds one; beside it on the same GPU the control: the same checkpoint's SFT
-#       continued for the same wall time (continuing the previous control when there is one); CONTROL_TRAINS=same: the
-#       control trains what the GRPO run trains (its LoRA, and the vision tower when EXTRA has
-#       lora.modules_to_save=[visual], every weight with [visual,language_model]) from the same start instead of
-#       every weight merged (the default, full). The stage takes
+#       continued for the same wall time (continuing the previous control when there is one). CONTROL_TRAINS: which
+#       controls, one or both side by side: full (the default) trains every weight merged (WORK/control_K, OUT/control.jsonl);
+#       same trains what the GRPO run trains (its LoRA, and the vision tower when EXTRA has lora.modules_to_save=[visual],
+#       every weight with [visual,language_model]) from the same start (WORK/control_same_K, OUT/control_same.jsonl);
+#       "same full": both, the fair control and the full-model line. The stage takes
 #       ~MINUTES + 1.7 minutes (engine start, the control's last evaluation and save; 5.0 took 403 s): in a
 #       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
 #       before the table printed). A GRPO run with CUDA graphs (rollout.enforce_eager=false, as scripts/lab/configs/learn_h200.yaml
@@ -65,34 +66,48 @@
 set -uo pipefail
 STAGE=${1:?see|see+sft|sft|sft+grpo|grpo|start|watch|pack|unpack}; OUT=${2:?out dir}; WORK=${3:?work dir}
 mkdir -p "$OUT" "$WORK"
-newest_control_model() {  # the newest control model folder under WORK, relative to it (none: prints nothing)
+CONTROL_PREFIXES=(control_ control_same_)  # the folders of the two kinds of control: full and same (CONTROL_TRAINS)
+control_prefix() { [ "$1" = same ] && echo control_same_ || echo control_; }
+control_log() { [ "$1" = control_same_ ] && echo control_same.jsonl || echo control.jsonl; }  # PREFIX -> OUT's log
+control_rounds() { ls -d "$WORK/$1"[0-9]*/ 2>/dev/null | sed "s|.*/$1\([0-9]*\)/\$|\1|" | sort -n; }  # PREFIX's K
+newest_control_model() {  # newest_control_model PREFIX: that kind's newest model folder, relative to WORK (or nothing)
   # a control's final/ once it has ended; while it runs (a detached stage, watched) its newest step_K/ save
-  local k step
-  for k in $(ls -d "$WORK"/control_*/ 2>/dev/null | sed 's|.*/control_\([0-9]*\)/$|\1|' | sort -rn); do
-    [ -d "$WORK/control_$k/final" ] && { echo "control_$k/final"; return; }
-    step=$(ls -d "$WORK/control_$k"/step_*/ 2>/dev/null | sed 's|.*/step_\([0-9]*\)/$|\1|' | sort -rn | head -1)
-    [ -n "$step" ] && { echo "control_$k/step_$step"; return; }
+  local prefix=$1 k step
+  for k in $(control_rounds "$prefix" | sort -rn); do
+    [ -d "$WORK/$prefix$k/final" ] && { echo "$prefix$k/final"; return; }
+    step=$(ls -d "$WORK/$prefix$k"/step_*/ 2>/dev/null | sed 's|.*/step_\([0-9]*\)/$|\1|' | sort -rn | head -1)
+    [ -n "$step" ] && { echo "$prefix$k/step_$step"; return; }
+  done
+}
+copy_control_logs() {  # copy_control_logs OUT: each kind's control logs, rounds in order, as OUT/control*.jsonl
+  local prefix k
+  for prefix in "${CONTROL_PREFIXES[@]}"; do
+    [ -n "$(control_rounds "$prefix")" ] || continue
+    for k in $(control_rounds "$prefix"); do cat "$WORK/$prefix$k/sft_log.jsonl" 2>/dev/null; done > "$1/$(control_log "$prefix")"
   done
 }
 pack_state() {  # pack_state DEST KIND WITH_START: what going on needs as DEST/KIND.tar.* pieces
-  local dest=$1 kind=$2 with_start=$3 run=runs/learn n k
+  local dest=$1 kind=$2 with_start=$3 run=runs/learn prefix k
   # shellcheck disable=SC1091
   . "$WORK/choice.env"
   local files=(choice.env)
   [ "$with_start" = 1 ] && files+=("$START")
   [ -f "$WORK/$run/checkpoints/latest" ] && files+=("$run/metrics.jsonl" "$run/checkpoints/latest"
                                                     "$run/checkpoints/$(cat "$WORK/$run/checkpoints/latest")")
-  n=$(ls -d "$WORK"/control_*/ 2>/dev/null | wc -l)
-  for k in $(seq 1 "$n"); do [ -f "$WORK/control_$k/sft_log.jsonl" ] && files+=("control_$k/sft_log.jsonl"); done
-  k=$(newest_control_model)
-  [ -n "$k" ] && files+=("$k")
+  for prefix in "${CONTROL_PREFIXES[@]}"; do
+    for k in $(control_rounds "$prefix"); do
+      [ -f "$WORK/$prefix$k/sft_log.jsonl" ] && files+=("$prefix$k/sft_log.jsonl")
+    done
+    k=$(newest_control_model "$prefix")
+    [ -n "$k" ] && files+=("$k")
+  done
   mkdir -p "$dest" && rm -f "$dest/$kind.tar."*
   # equal pieces of at most 15 MiB: as few files as can be (a device call returns 8 files, 16 MiB each)
   tar -C "$WORK" -cf "$WORK/$kind.tar" "${files[@]}" || return 1
   split -n "$(( ($(stat -c %s "$WORK/$kind.tar") + 15728639) / 15728640 ))" "$WORK/$kind.tar" "$dest/$kind.tar."
   rm -f "$WORK/$kind.tar"
 }
-summary() {  # the held-out table of GRPO and its control, from OUT's grpo_metrics.jsonl and control.jsonl
+summary() {  # the held-out table of GRPO and its controls, from OUT's grpo_metrics.jsonl and control*.jsonl
 python - "$1" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -103,8 +118,10 @@ def rate_and_seeing(m):  # greedy solve rate / first_try_open, and the sampled s
     sampled = f"(s{m['eval_sampled_solve_rate']:.2f})" if "eval_sampled_solve_rate" in m else ""
     return f"{m['eval_solve_rate']:.2f}/{m.get('eval_why_first_try_open', 0):.2f}{sampled}"
 print("grpo   ", " ".join(f"{m['step']}:{rate_and_seeing(m)}" for m in grpo if "eval_solve_rate" in m))
-ctrl = [json.loads(l) for l in (out / "control.jsonl").read_text().splitlines()] if (out / "control.jsonl").exists() else []
-print("control", " ".join(f"{m['sft_step']}@{m['elapsed_s']:.0f}s:{rate_and_seeing(m)}" for m in ctrl if "eval_solve_rate" in m))
+for name, label in (("control.jsonl", "control"), ("control_same.jsonl", "control (GRPO's trainable set)")):
+    if (out / name).exists():
+        ctrl = [json.loads(l) for l in (out / name).read_text().splitlines()]
+        print(label, " ".join(f"{m['sft_step']}@{m['elapsed_s']:.0f}s:{rate_and_seeing(m)}" for m in ctrl if "eval_solve_rate" in m))
 PY
 }
 if [ "$STAGE" = pack ]; then
@@ -145,11 +162,11 @@ if [ "$STAGE" = watch ]; then
   running=0; kill -0 "$pid" 2>/dev/null && running=1
   cp "$WORK"/detached_out/grpo_*.log "$OUT"/ 2>/dev/null
   cp "$WORK/runs/learn/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
-  cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl" 2>/dev/null
+  copy_control_logs "$OUT"
   # a checkpoint can commit while tar reads: once more on failure (keep_last 3 keeps the one read meanwhile)
   pack_state "$OUT" delta 0 2>/dev/null || { sleep 5; pack_state "$OUT" delta 0; }
-  echo "delta: $(ls "$OUT"/delta.tar.* | wc -l) pieces, $(cat "$OUT"/delta.tar.* | wc -c) bytes, control model" \
-       "$(newest_control_model)"
+  echo "delta: $(ls "$OUT"/delta.tar.* | wc -l) pieces, $(cat "$OUT"/delta.tar.* | wc -c) bytes, control models" \
+       "$(newest_control_model control_) $(newest_control_model control_same_)"
   grep -h -E "^step|Error" "$OUT"/grpo_*.log | tail -15
   summary "$OUT"
   [ "$running" = 1 ] && { echo "the detached stage runs on (pid $pid)"; exit 3; }
@@ -276,26 +293,33 @@ fi
 # shellcheck disable=SC1091
 . "$WORK/choice.env"  # START (relative to WORK), OVERRIDES, SFT_STEP, SFT_ELAPSED_S, START_RATE
 read -r -a OVR <<< "$OVERRIDES"
-n=$(ls -d "$WORK"/control_*/ 2>/dev/null | wc -l)
-CONTROL_INIT=$WORK/$START
-newest=$(newest_control_model)
-[ -n "$newest" ] && CONTROL_INIT="$WORK/$newest"
-CONTROL_ARGS=(model.path="$CONTROL_INIT" "${SFT_ARGS[@]}")
-if [ "${CONTROL_TRAINS:-full}" = same ]; then  # the GRPO run's trainable set (EXTRA's lora.*), as PEFT adapters
-  CONTROL_ARGS=(model.path="$WORK/$START")
-  [ -n "$newest" ] && [ -f "$WORK/$newest/adapter_config.json" ] && CONTROL_ARGS+=(model.adapter_init="$WORK/$newest")
-  for a in "${SFT_ARGS[@]}"; do [ "$a" = --full ] || CONTROL_ARGS+=("$a"); done
-fi
-control=
-if [ "${CONTROL:-1}" = 1 ]; then  # CONTROL=0: GRPO alone on the GPU (its speed without a neighbour; no new control)
-  python scripts/sft.py "$CFG" "$WORK/control_$((n + 1))" "${OVR[@]}" train.seed=$((43 + n)) \
-    "${CONTROL_ARGS[@]}" --warmup 10 --max-minutes "$MINUTES" > "$WORK/control_$((n + 1)).log" 2>&1 &
-  control=$!
-fi
+read -r -a CONTROLS <<< "${CONTROL_TRAINS:-full}"
+for kind in "${CONTROLS[@]}"; do
+  [ "$kind" = full ] || [ "$kind" = same ] || { echo "CONTROL_TRAINS: full, same or \"same full\", not $kind"; exit 2; }
+done
+# this round's number: the rounds the first control kind has run, plus one (its log is OUT/grpo_ROUND.log)
+round=$(( $(control_rounds "$(control_prefix "${CONTROLS[0]}")" | wc -l) + 1 ))
+controls=()
+for kind in "${CONTROLS[@]}"; do
+  [ "${CONTROL:-1}" = 1 ] || break  # CONTROL=0: GRPO alone on the GPU (its speed without a neighbour; no new control)
+  prefix=$(control_prefix "$kind")
+  n=$(control_rounds "$prefix" | wc -l)
+  newest=$(newest_control_model "$prefix")
+  if [ "$kind" = full ]; then  # every weight, from the newest full model
+    CONTROL_ARGS=(model.path="$WORK/${newest:-$START}" "${SFT_ARGS[@]}")
+  else  # the GRPO run's trainable set (EXTRA's lora.*) as PEFT adapters on the start model
+    CONTROL_ARGS=(model.path="$WORK/$START")
+    [ -n "$newest" ] && [ -f "$WORK/$newest/adapter_config.json" ] && CONTROL_ARGS+=(model.adapter_init="$WORK/$newest")
+    for a in "${SFT_ARGS[@]}"; do [ "$a" = --full ] || CONTROL_ARGS+=("$a"); done
+  fi
+  python scripts/sft.py "$CFG" "$WORK/$prefix$((n + 1))" "${OVR[@]}" train.seed=$((43 + n)) \
+    "${CONTROL_ARGS[@]}" --warmup 10 --max-minutes "$MINUTES" > "$WORK/$prefix$((n + 1)).log" 2>&1 &
+  controls+=($!)
+done
 # the logs come back even when the device call's limit cuts this stage short
 ( while sleep 20; do
     cp "$WORK/runs/learn/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
-    cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl" 2>/dev/null
+    copy_control_logs "$OUT"
   done ) &
 copier=$!
 if [ -n "${PROFILE_AFTER:-}" ] && command -v py-spy > /dev/null; then
@@ -312,7 +336,7 @@ fi
 grpo_call() {  # the GRPO run for $1 minutes, with any further overrides after it
   local minutes=$1; shift
   timeout "$(python3 -c "print(int($minutes * 60 + 90))")" python -m app.main "$CFG" run_name=learn "${OVR[@]}" \
-    model.path="$WORK/$START" output_dir="$WORK/runs" "${EXTRA[@]}" sft.steps=0 "$@" >> "$OUT/grpo_$((n + 1)).log" 2>&1
+    model.path="$WORK/$START" output_dir="$WORK/runs" "${EXTRA[@]}" sft.steps=0 "$@" >> "$OUT/grpo_$round.log" 2>&1
 }
 t_grpo=$(date +%s)
 grpo_call "$MINUTES"
@@ -334,13 +358,17 @@ if [ "$code" != 0 ] && [ "${#retry[@]}" -gt 0 ] && python3 -c "import sys; sys.e
   grpo_call "$left" "${retry[@]}"
   echo "app.main exit code $?"
 fi
-[ -n "$control" ] && wait "$control"
+[ "${#controls[@]}" -gt 0 ] && wait "${controls[@]}"
 kill $copier
-cat "$WORK"/control_*/sft_log.jsonl > "$OUT/control.jsonl" 2>/dev/null
+copy_control_logs "$OUT"
 cp "$WORK/runs/learn/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
 # the run so far, less the start model the carried state already holds: a device machine lost between calls then
 # loses no steps (unpack PIECES with the state's and these pieces together goes on from here)
 [ "${SAVE_DELTA:-1}" = 1 ] && pack_state "$OUT" delta 0 && echo "delta: $(ls "$OUT"/delta.tar.* | wc -l) pieces, $(cat "$OUT"/delta.tar.* | wc -c) bytes"
-[ -n "$control" ] && tail -5 "$WORK/control_$((n + 1)).log"
-grep -E "^step|Error" "$OUT/grpo_$((n + 1)).log" | tail -25
+if [ "${#controls[@]}" -gt 0 ]; then
+  for kind in "${CONTROLS[@]}"; do
+    prefix=$(control_prefix "$kind"); tail -5 "$WORK/$prefix$(control_rounds "$prefix" | tail -1).log"
+  done
+fi
+grep -E "^step|Error" "$OUT/grpo_$round.log" | tail -25
 summary "$OUT"

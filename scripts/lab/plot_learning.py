@@ -1,6 +1,7 @@
 """The learning run's curve (docs/RESULTS.md): held-out greedy solve rate against wall time, GRPO vs continued SFT.
 
     python scripts/lab/plot_learning.py GRPO_METRICS.jsonl SFT_CONTROL.jsonl OUT.png [--sft NAME=SFT_LOG.jsonl ...]
+        [--fair FAIR_CONTROL.jsonl] [--machine "one H100"]
 
 GRPO_METRICS is app.main's metrics log (a resumed run repeats steps after its checkpoint: the last record of a
 step wins); its time axis is the sum of the kept steps' time_step_s. SFT_CONTROL is scripts/sft.py's log of the
@@ -8,6 +9,7 @@ continued-SFT control, one or more rounds appended (sft_step restarts at each ro
 --sft adds the warm-start SFT runs that led to the GRPO start, on the same axes shifted left of zero; --start-step
 cuts the last of them at the checkpoint GRPO started from (choice.env's SFT_STEP), so that zero is that checkpoint.
 --earlier adds an earlier run from the same checkpoint (a GRPO metrics log or an SFT control log), drawn faintly.
+--fair adds the fair control (learn.sh CONTROL_TRAINS=same: SFT of GRPO's own trainable set) beside the full-model one.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--grpo-label", default="GRPO (LoRA r32, 16 mazes x 8 samples a step)", help="the GRPO curve's name"
     )
+    ap.add_argument("--fair", type=Path, help="the fair control's SFT log (the GRPO run's trainable set)")
+    ap.add_argument("--machine", default="one H200", help="the GPU the runs shared, for the time axis")
     ap.add_argument("--target", type=float, default=0.95, help="the target line (share of solvable mazes)")
     args = ap.parse_args(argv)
     fig = Figure(figsize=(9, 4.8))
@@ -83,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ax = fig.add_subplot()
     grpo, control = grpo_curve(args.grpo), sft_curve(args.control)
     ax.plot(*zip(*grpo), "o-", label=args.grpo_label)
-    ax.plot(*zip(*control), ".-", alpha=0.7, label="control: the same checkpoint's SFT continued")
+    trains = ", every weight" if args.fair else ""
+    ax.plot(*zip(*control), ".-", alpha=0.7, label=f"control: the same checkpoint's SFT continued{trains}")
+    if args.fair:
+        ax.plot(*zip(*sft_curve(args.fair)), "s-", ms=3, alpha=0.8, label="fair control: SFT of GRPO's trainable set")
     for spec in args.earlier:
         name, path = spec.split("=", 1)
         kind, curve = any_curve(Path(path))
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.plot([t - shift for t, _ in curve], [r for _, r in curve], ":", label=f"warm-start SFT: {name}")
     ax.axhline(args.target, color="grey", lw=0.8, ls="--", label=f"target {args.target:.0%} of solvable")
     ax.axvline(0, color="black", lw=0.6)
-    ax.set_xlabel("wall seconds from the GRPO start checkpoint (training + evaluation, one H200)")
+    ax.set_xlabel(f"wall seconds from the GRPO start checkpoint (training + evaluation, {args.machine})")
     ax.set_ylabel("held-out greedy solve rate (64 mazes)")
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_ylim(0, 1)
@@ -104,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
-    print(f"GRPO {[(round(t), r) for t, r in grpo]}\ncontrol {[(round(t), r) for t, r in control]}\nwrote {args.out}")
+    print(f"GRPO {[(round(t), r) for t, r in grpo]}\ncontrol {[(round(t), r) for t, r in control]}")
+    if args.fair:
+        print(f"fair control {[(round(t), r) for t, r in sft_curve(args.fair)]}")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -9,21 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def run_script(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env}
-    return subprocess.run(["bash", *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
-
-
-def tar_names(pieces: list[Path]) -> list[str]:
-    """The member names of the tar these pieces make, joined in order."""
-    joined = b"".join(piece.read_bytes() for piece in pieces)
-    listed = subprocess.run(["tar", "-tf", "-"], input=joined, capture_output=True, check=True)
-    return listed.stdout.decode().split()
+from lab_shell import SMOKE, run_script, tar_names
 
 
 def test_probe_sweep_runs_variants_side_by_side_and_tabulates_them(tmp_path):
@@ -137,35 +123,6 @@ def test_choose_start_picks_the_best_seeing_checkpoint_at_most_half_solved(tmp_p
     assert choose_main([str(tmp_path), "--by", "rate", "--seeing-at-least", "0.91"]) == 0
     assert 'START="sft_a/step_20"' in (tmp_path / "choice.env").read_text()
     assert choose_main([str(tmp_path), "--by", "rate", "--seeing-at-least", "0.92"]) == 1
-
-
-SMOKE = (
-    "eval.num_mazes=2 sft.mazes_per_step=2 sft.variants=1 rollout.max_turns=9 train.picture_cache_gb=0 "
-    "placement.gpus_per_bundle=0 placement.cpus_per_bundle=0.5 model.dtype=float32 train.mazes_per_step=2 "
-    "rollout.n_samples_per_prompt=2 eval.eval_interval=1 checkpoint.ckpt_interval=1"
-)
-
-
-@pytest.fixture(scope="module")
-def sft_then_grpo(tmp_path_factory):
-    """One sft+grpo call of the tiny model: (OUT, WORK, the finished process)."""
-    root = tmp_path_factory.mktemp("learn")
-    out, work = root / "out", root / "work"
-    # this is about the stages' plumbing (GRPO's learning has tests/learning/test_learning.py); 6 minutes bound the
-    # stages on a busy machine, the run itself stops after its one GRPO step and 3 control steps
-    done = run_script(
-        ["scripts/lab/learn.sh", "sft+grpo", str(out), str(work), "6"],
-        CONFIG="tests/tiny.yaml",
-        DEVICE="cpu",
-        EVAL_EVERY="1",
-        SFT_MINUTES="0.1",
-        SIZES="7",
-        SFT_LRS="3e-4",
-        WARMUP="1",
-        EXTRA=f"sft.steps=3 train.max_steps=1 {SMOKE}",
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return out, work, done
 
 
 def test_learn_sft_then_grpo_runs_both_with_the_control_in_one_call(sft_then_grpo):
@@ -365,36 +322,3 @@ def test_learn_start_detaches_the_grpo_stage_and_watch_brings_its_run_back(sft_t
     names = tar_names(sorted(out.glob("delta.tar.*")))
     assert "control_2/final/model.safetensors" in names and "runs/learn/checkpoints/latest" in names
     assert "control_2/sft_log.jsonl" in names and "control_1/sft_log.jsonl" in names
-
-
-def test_learn_pack_takes_a_running_controls_newest_save_when_it_has_no_final_model(tmp_path):
-    work = tmp_path / "work"
-    for folder in ["start", "control_1/final", "control_2/step_3", "control_2/step_12", "control_2/step_9"]:
-        (work / folder).mkdir(parents=True)
-        (work / folder / "model.safetensors").write_text(folder)
-    for k in (1, 2):
-        (work / f"control_{k}" / "sft_log.jsonl").write_text("{}\n")
-    (work / "choice.env").write_text('START="start"\n')
-    packed = run_script(["scripts/lab/learn.sh", "pack", str(tmp_path / "pieces"), str(work)])
-    assert packed.returncode == 0, packed.stdout + packed.stderr
-    names = tar_names(sorted((tmp_path / "pieces").glob("state.tar.*")))
-    assert "control_2/step_12/model.safetensors" in names and "start/model.safetensors" in names
-    assert not any(n.startswith(("control_1/final", "control_2/step_3", "control_2/step_9")) for n in names)
-    (work / "control_2" / "final").mkdir()  # once the control has ended, its final model
-    (work / "control_2" / "final" / "model.safetensors").write_text("final")
-    assert run_script(["scripts/lab/learn.sh", "pack", str(tmp_path / "pieces"), str(work)]).returncode == 0
-    names = tar_names(sorted((tmp_path / "pieces").glob("state.tar.*")))
-    assert "control_2/final/model.safetensors" in names and not any("step_12" in n for n in names)
-
-
-def test_learn_grpo_with_the_tower_beside_a_control_that_trains_the_same(sft_then_grpo, tmp_path):
-    # CONTROL_TRAINS=same: the control continues SFT on GRPO's trainable set (LoRA + tower), as a PEFT adapter
-    copy, out = tmp_path / "work", tmp_path / "out"
-    shutil.copytree(sft_then_grpo[1], copy, ignore=shutil.ignore_patterns("runs", "control_*"))  # fresh runs
-    smoke = f"sft.steps=2 train.max_steps=1 lora.modules_to_save=[visual] {SMOKE}"
-    done = run_script(["scripts/lab/learn.sh", "grpo", str(out), str(copy), "3"], CONFIG="tests/tiny.yaml",
-                      DEVICE="cpu", EVAL_EVERY="1", CONTROL_TRAINS="same", EXTRA=smoke)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert any(m["step"] == 1 and "train_loss" in m for m in map(json.loads, open(out / "grpo_metrics.jsonl")))
-    saved = json.loads((copy / "control_1" / "final" / "adapter_config.json").read_text())
-    assert saved["modules_to_save"] == ["visual"] and not (copy / "control_1" / "final" / "config.json").exists()

@@ -26,7 +26,7 @@ def test_sft_rounds_continue_the_clock_and_a_start_step_cuts_the_warm_start(tmp_
     assert sft_curve(log, until_step=10) == [(20.0, 0.1), (65.0, 0.5)]
 
 
-def test_a_resumed_grpo_step_counts_once_and_the_plot_is_written(tmp_path):
+def test_a_resumed_grpo_step_counts_once_and_the_plot_is_written(tmp_path, capsys):
     grpo = _write(
         tmp_path / "grpo.jsonl",
         [
@@ -53,3 +53,8 @@ def test_a_resumed_grpo_step_counts_once_and_the_plot_is_written(tmp_path):
     out.unlink()
     assert main([str(grpo), str(control), str(out), "--earlier", f"a={grpo}", "--earlier", f"b={control}"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the fair control (SFT of GRPO's own trainable set) beside the full-model one, on another machine's axis
+    out.unlink()
+    fair = _write(tmp_path / "fair.jsonl", [{"sft_step": 4, "elapsed_s": 45.0, "eval_solve_rate": 0.25}])
+    assert main([str(grpo), str(control), str(out), "--fair", str(fair), "--machine", "one H100"]) == 0
+    assert "fair control [(45, 0.25)]" in capsys.readouterr().out and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
