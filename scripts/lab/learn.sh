@@ -49,7 +49,8 @@
 #   bash scripts/lab/learn.sh watch OUT WORK SECONDS
 #       waits until the detached stage ends or SECONDS pass, then copies its logs and metrics into OUT and packs the
 #       run so far (latest complete GRPO checkpoint, the controls' logs and newest model) as OUT/delta.tar.*; prints
-#       the table; exit 3 while the stage runs on, 0 once it has ended. Keep SECONDS <= 560 in a 10-minute call.
+#       the table and any control that stopped on an error (its last error line: its log stays in WORK); exit 3 while
+#       the stage runs on, 0 once it has ended. Keep SECONDS <= 560 in a 10-minute call.
 #   bash scripts/lab/learn.sh pack OUT WORK
 #       what a fresh machine needs to go on with GRPO and its control where this one stopped (choice.env, the start
 #       model, the latest GRPO checkpoint and metrics, the controls' logs and latest model) as OUT/state.tar.* pieces
@@ -78,6 +79,15 @@ newest_control_model() {  # newest_control_model PREFIX: that kind's newest mode
     step=$(ls -d "$WORK/$prefix$k"/step_*/ 2>/dev/null | sed 's|.*/step_\([0-9]*\)/$|\1|' | sort -rn | head -1)
     [ -n "$step" ] && { echo "$prefix$k/step_$step"; return; }
   done
+}
+control_failures() {  # each kind's newest control that stopped on an error: its folder and its last error line
+  local prefix k
+  for prefix in "${CONTROL_PREFIXES[@]}"; do
+    k=$(control_rounds "$prefix" | tail -1)
+    [ -n "$k" ] && grep -q "^Traceback" "$WORK/$prefix$k.log" 2>/dev/null &&
+      echo "control $prefix$k failed: $(grep -E "^[A-Za-z_.]*(Error|Exception)" "$WORK/$prefix$k.log" | tail -1)"
+  done
+  return 0
 }
 copy_control_logs() {  # copy_control_logs OUT: each kind's control logs, rounds in order, as OUT/control*.jsonl
   local prefix k
@@ -168,6 +178,7 @@ if [ "$STAGE" = watch ]; then
   echo "delta: $(ls "$OUT"/delta.tar.* | wc -l) pieces, $(cat "$OUT"/delta.tar.* | wc -c) bytes, control models" \
        "$(newest_control_model control_) $(newest_control_model control_same_)"
   grep -h -E "^step|Error" "$OUT"/grpo_*.log | tail -15
+  control_failures  # a control that died while the stage runs on: its logs stay in WORK
   summary "$OUT"
   [ "$running" = 1 ] && { echo "the detached stage runs on (pid $pid)"; exit 3; }
   tail -3 "$WORK/detached.log"
@@ -369,6 +380,7 @@ if [ "${#controls[@]}" -gt 0 ]; then
   for kind in "${CONTROLS[@]}"; do
     prefix=$(control_prefix "$kind"); tail -5 "$WORK/$prefix$(control_rounds "$prefix" | tail -1).log"
   done
+  control_failures
 fi
 grep -E "^step|Error" "$OUT/grpo_$round.log" | tail -25
 summary "$OUT"

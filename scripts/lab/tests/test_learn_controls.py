@@ -51,3 +51,20 @@ def test_learn_grpo_with_the_tower_beside_both_controls(sft_then_grpo, tmp_path)
         assert any("eval_solve_rate" in m for m in map(json.loads, open(out / log))), log
     assert "\ncontrol 1@" in done.stdout and "\ncontrol (GRPO's trainable set) 1@" in done.stdout
     assert (out / "grpo_1.log").is_file()
+
+
+def test_learn_watch_names_a_control_that_died_and_its_error(tmp_path):
+    # a control that stops on an error (out of GPU memory beside the others) leaves its log in WORK only: the
+    # watch call, which brings back OUT and stdout, names it and its last error line
+    work = tmp_path / "work"
+    for folder in ["start", "control_1/step_25", "control_same_1/step_50"]:
+        (work / folder).mkdir(parents=True)
+        (work / folder / "model.safetensors").write_text(folder)
+    (work / "choice.env").write_text('START="start"\n')
+    (work / "control_1.log").write_text("sft step 25\n")
+    died = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    (work / "control_same_1.log").write_text(f"sft step 50\nTraceback (most recent call last):\n  File x\n{died}\n")
+    (work / "detached.pid").write_text("999999999\n")  # the stage has ended
+    done = run_script(["scripts/lab/learn.sh", "watch", str(tmp_path / "out"), str(work), "0"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"control control_same_1 failed: {died}" in done.stdout and "control control_1 failed" not in done.stdout
