@@ -69,7 +69,6 @@ STAGE=${1:?see|see+sft|sft|sft+grpo|grpo|start|watch|pack|unpack}; OUT=${2:?out 
 mkdir -p "$OUT" "$WORK"
 CONTROL_PREFIXES=(control_ control_same_)  # the folders of the two kinds of control: full and same (CONTROL_TRAINS)
 control_prefix() { [ "$1" = same ] && echo control_same_ || echo control_; }
-control_log() { [ "$1" = control_same_ ] && echo control_same.jsonl || echo control.jsonl; }  # PREFIX -> OUT's log
 control_rounds() { ls -d "$WORK/$1"[0-9]*/ 2>/dev/null | sed "s|.*/$1\([0-9]*\)/\$|\1|" | sort -n; }  # PREFIX's K
 newest_control_model() {  # newest_control_model PREFIX: that kind's newest model folder, relative to WORK (or nothing)
   # a control's final/ once it has ended; while it runs (a detached stage, watched) its newest step_K/ save
@@ -89,11 +88,11 @@ control_failures() {  # each kind's newest control that stopped on an error: its
   done
   return 0
 }
-copy_control_logs() {  # copy_control_logs OUT: each kind's control logs, rounds in order, as OUT/control*.jsonl
+copy_control_logs() {  # copy_control_logs OUT: each kind's logs, rounds in order: OUT/control.jsonl, control_same.jsonl
   local prefix k
   for prefix in "${CONTROL_PREFIXES[@]}"; do
     [ -n "$(control_rounds "$prefix")" ] || continue
-    for k in $(control_rounds "$prefix"); do cat "$WORK/$prefix$k/sft_log.jsonl" 2>/dev/null; done > "$1/$(control_log "$prefix")"
+    for k in $(control_rounds "$prefix"); do cat "$WORK/$prefix$k/sft_log.jsonl" 2>/dev/null; done > "$1/${prefix%_}.jsonl"
   done
 }
 pack_state() {  # pack_state DEST KIND WITH_START: what going on needs as DEST/KIND.tar.* pieces

@@ -86,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     grpo, control = grpo_curve(args.grpo), sft_curve(args.control)
+    fair = sft_curve(args.fair) if args.fair else []
     ax.plot(*zip(*grpo), "o-", label=args.grpo_label)
     trains = ", every weight" if args.fair else ""
     ax.plot(*zip(*control), ".-", alpha=0.7, label=f"control: the same checkpoint's SFT continued{trains}")
-    if args.fair:
-        ax.plot(*zip(*sft_curve(args.fair)), "s-", ms=3, alpha=0.8, label="fair control: SFT of GRPO's trainable set")
+    if fair:
+        ax.plot(*zip(*fair), "s-", ms=3, alpha=0.8, label="fair control: SFT of GRPO's trainable set")
     for spec in args.earlier:
         name, path = spec.split("=", 1)
         kind, curve = any_curve(Path(path))
@@ -112,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"GRPO {[(round(t), r) for t, r in grpo]}\ncontrol {[(round(t), r) for t, r in control]}")
-    if args.fair:
-        print(f"fair control {[(round(t), r) for t, r in sft_curve(args.fair)]}")
+    if fair:
+        print(f"fair control {[(round(t), r) for t, r in fair]}")
     print(f"wrote {args.out}")
     return 0
 
