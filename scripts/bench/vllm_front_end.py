@@ -1,6 +1,6 @@
-"""vLLM's multimodal placeholder scans against app/rollout/engines/vllm_scans.py's, on one turn's prompt.
+"""vLLM's multimodal placeholder scans against those of app/rollout/engines/vllm_front_end.py, on one turn's prompt.
 
-    python scripts/bench/vllm_scans.py [--history 2000] [--run 81] [--repeats 7]
+    python scripts/bench/vllm_front_end.py [--history 2000] [--run 81] [--repeats 7]
 
 The prompt: `--history` text tokens, then the picture's `--run` placeholder tokens and two more, as a rollout turn
 with the whole history sends it. Reported: microseconds a prompt (median of --repeats, 100 prompts each) of the
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app.rollout.engines import vllm_scans  # noqa: E402
+from app.rollout.engines import vllm_front_end  # noqa: E402
 
 
 def micros(fn, repeats: int) -> float:
@@ -41,19 +41,19 @@ def main() -> None:
     from vllm.multimodal.processing import processor
 
     own_matches, own_placeholders = (
-        vllm_scans.originals(processor)
-        if hasattr(processor, vllm_scans._ORIGINALS)
+        vllm_front_end.originals(processor)
+        if hasattr(processor, vllm_front_end._ORIGINALS)
         else (processor.iter_token_matches, processor._iter_placeholders)
     )
     ids = [i % 50 + 100 for i in range(args.history)] + [7] * args.run + [1, 2]
     update = SimpleNamespace(content=SimpleNamespace(full=[7] * args.run, is_embed=None))
     updates = {"image": [[update]]}
-    if len(vllm_scans.inspect.signature(own_placeholders).parameters) == 3:  # vLLM 0.26 takes the tokenizer
+    if len(vllm_front_end.inspect.signature(own_placeholders).parameters) == 3:  # vLLM 0.26 takes the tokenizer
         processor_args = (ids, updates, None)
-        ours = vllm_scans.placeholder_scan(processor, takes_tokenizer=True)
+        ours = vllm_front_end.placeholder_scan(processor, takes_tokenizer=True)
     else:
         processor_args = (ids, updates)
-        ours = vllm_scans.placeholder_scan(processor, takes_tokenizer=False)
+        ours = vllm_front_end.placeholder_scan(processor, takes_tokenizer=False)
     rows = [
         (
             "_iter_placeholders",
@@ -63,7 +63,7 @@ def main() -> None:
         (
             "iter_token_matches",
             micros(lambda: own_matches(ids, [7]), args.repeats),
-            micros(lambda: vllm_scans.token_matches(ids, [7]), args.repeats),
+            micros(lambda: vllm_front_end.token_matches(ids, [7]), args.repeats),
         ),
     ]
     print(f"vLLM {vllm.__version__}, a prompt of {len(ids)} tokens")
