@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 _ORIGINALS = "_mazerl_original_scans"  # where install() keeps vLLM's own scans, on the module itself
 _EMPTY_CALL = "_mazerl_original_mm_only"  # and the processor class's own method, on the class
+_EMPTY_MEMO = "_mazerl_mm_only_for_no_items"  # each processor's outputs for no items, by keyword arguments
 
 
 def token_matches(token_ids: Sequence[int], match_ids: Sequence[int], start_idx: int = 0) -> Iterator[tuple[int, int]]:
@@ -183,7 +184,7 @@ def _install_empty_call_memo(processor_class) -> bool:
     def _apply_hf_processor_mm_only(self, mm_items, hf_processor_mm_kwargs, tokenization_kwargs):
         if any(mm_items.get_all_counts().values()):
             return original(self, mm_items, hf_processor_mm_kwargs, tokenization_kwargs)
-        memo = self.__dict__.setdefault(_EMPTY_CALL, {})
+        memo = self.__dict__.setdefault(_EMPTY_MEMO, {})
         key = (repr(sorted(hf_processor_mm_kwargs.items())), repr(sorted(tokenization_kwargs.items())))
         if key not in memo:
             memo[key] = original(self, mm_items, hf_processor_mm_kwargs, tokenization_kwargs)
