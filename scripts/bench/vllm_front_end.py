@@ -10,6 +10,7 @@ installed vLLM's `_iter_placeholders` and `iter_token_matches` (its own, before 
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -40,15 +41,11 @@ def main() -> None:
     import vllm
     from vllm.multimodal.processing import processor
 
-    own_matches, own_placeholders = (
-        vllm_front_end.originals(processor)
-        if hasattr(processor, vllm_front_end._ORIGINALS)
-        else (processor.iter_token_matches, processor._iter_placeholders)
-    )
+    own_matches, own_placeholders = vllm_front_end.originals(processor)  # its own, before any install
     ids = [i % 50 + 100 for i in range(args.history)] + [7] * args.run + [1, 2]
     update = SimpleNamespace(content=SimpleNamespace(full=[7] * args.run, is_embed=None))
     updates = {"image": [[update]]}
-    if len(vllm_front_end.inspect.signature(own_placeholders).parameters) == 3:  # vLLM 0.26 takes the tokenizer
+    if len(inspect.signature(own_placeholders).parameters) == 3:  # vLLM 0.26 takes the tokenizer
         processor_args = (ids, updates, None)
         ours = vllm_front_end.placeholder_scan(processor, takes_tokenizer=True)
     else:

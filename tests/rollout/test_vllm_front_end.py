@@ -25,13 +25,6 @@ def vllm_processor():
     return processor
 
 
-def own_functions(processor):
-    """The installed vLLM's own scans, whether or not an engine of this session installed ours already."""
-    if hasattr(processor, vllm_front_end._ORIGINALS):
-        return vllm_front_end.originals(processor)
-    return processor.iter_token_matches, processor._iter_placeholders
-
-
 @dataclass(frozen=True)
 class Content:
     full: list[int]
@@ -49,7 +42,7 @@ token_lists = st.lists(st.integers(0, 4), max_size=40)
 @settings(max_examples=300, deadline=None)
 @given(token_lists, st.lists(st.integers(0, 4), max_size=3), st.integers(0, 10))
 def test_token_matches_are_vllms(vllm_processor, ids, target, start):
-    own, _ = own_functions(vllm_processor)
+    own, _ = vllm_front_end.originals(vllm_processor)
     want = [(m.start_idx, m.end_idx) for m in own(ids, target, start_idx=start)]
     assert list(vllm_front_end.token_matches(ids, target, start)) == want
 
@@ -63,7 +56,7 @@ def updates_strategy():
 @settings(max_examples=300, deadline=None)
 @given(token_lists, updates_strategy())
 def test_placeholder_runs_are_vllms(vllm_processor, ids, updates):
-    _, own = own_functions(vllm_processor)
+    _, own = vllm_front_end.originals(vllm_processor)
     scan = vllm_front_end.placeholder_scan(vllm_processor, takes_tokenizer=False)
     assert list(scan(ids, updates)) == list(own(ids, updates))
 
@@ -126,7 +119,7 @@ def test_install_keeps_a_form_it_does_not_know():
 
 def test_a_long_prompt_is_scanned_faster(vllm_processor):
     """A turn's prompt with the whole history (2,000 tokens, the picture's 81-token run at the end)."""
-    _, own = own_functions(vllm_processor)
+    _, own = vllm_front_end.originals(vllm_processor)
     ids = [i % 50 + 100 for i in range(2000)] + [7] * 81 + [1, 2]
     updates = {"image": [[Update(Content([7] * 81))]]}
     scan = vllm_front_end.placeholder_scan(vllm_processor, takes_tokenizer=False)

@@ -196,5 +196,7 @@ def _install_empty_call_memo(processor_class) -> bool:
 
 
 def originals(processor_module) -> tuple:
-    """vLLM's own (iter_token_matches, _iter_placeholders) of a module install() changed."""
-    return getattr(processor_module, _ORIGINALS)
+    """vLLM's own (iter_token_matches, _iter_placeholders) of a module, whether or not install() changed it."""
+    return getattr(
+        processor_module, _ORIGINALS, (processor_module.iter_token_matches, processor_module._iter_placeholders)
+    )
