@@ -73,6 +73,7 @@ class Run:
         self.flops = model_flops(cfg)
         self.recoveries = 0
         self.last_checkpoint = 0
+        self.restored = False  # whether an attempt of this job got as far as restore(): last_checkpoint is known
         self.saved_steps: list[int] = []  # the checkpoints this run committed: a recovery resumes from the newest
         self.start_sampler = sampler.state_dict()  # where the run began, for a recovery before any checkpoint
         self.history: list[dict] = []
@@ -105,6 +106,7 @@ def restore(run: Run, actors: Actors) -> int:
     summary = waits.one(summary_ref, "restore", actors.label("consolidator"))
     waits.gather([t.load_state.remote(saved_ref) for t in actors.trainers], "restore", actors.trainer_names)
     step = summary["step"]
+    run.restored = True
     if step:
         state = summary["state"]
         run.sampler.load_state_dict(state["sampler"])
@@ -188,6 +190,23 @@ def run_steps(run: Run, actors: Actors, start: int) -> None:
         run.sink.record(step, metrics)
 
 
+def where_it_resumes(run: Run) -> str:
+    """Where a resubmitted job goes on from. A job whose every attempt failed before restore() never read the
+    checkpoints, so its own count (0) says nothing of those an earlier job left: they are looked up."""
+    if run.restored and run.last_checkpoint:
+        return f"The newest checkpoint is step {run.last_checkpoint}; submitting the job again resumes from it."
+    if run.restored:
+        return "The job made no checkpoint: submitting it again starts it over."
+    try:
+        location = check_resume(run.cfg)
+    except Exception as e:  # a storage or config error here must not hide the error the job gives up on
+        return f"No attempt of this job reached its checkpoints, and looking them up failed ({e})."
+    if location is None:
+        mode = run.cfg.checkpoint.resume_mode
+        return f"No attempt of this job reached its checkpoints; with checkpoint.resume_mode={mode} none resumes."
+    return f"No attempt of this job reached its checkpoints; submitting the job again resumes from {location}."
+
+
 def write_report(run_dir: Path) -> None:
     """The one-page HTML report with the curve and a replay; a failure here never fails the run."""
     try:
@@ -225,12 +244,11 @@ def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler, args: argpars
                 run.recoveries += 1
                 if run.recoveries > cfg.checkpoint.max_failures:
                     log.error(
-                        "giving up after %d recoveries (checkpoint.max_failures): %s: %s. The newest checkpoint is "
-                        "step %d; submitting the job again resumes from it.",
+                        "giving up after %d recoveries (checkpoint.max_failures): %s: %s. %s",
                         run.recoveries - 1,
                         type(e).__name__,
                         str(e).splitlines()[0][:300],
-                        run.last_checkpoint,
+                        where_it_resumes(run),
                     )
                     return 1
                 log.warning(
