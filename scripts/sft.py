@@ -61,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         "needs dense readings near it and none before",
     )
     ap.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="--full: saved weights")
+    ap.add_argument(
+        "--gpu-share",
+        type=float,
+        default=0.0,
+        help="at most this share of the GPU's memory (torch.cuda.set_per_process_memory_fraction): PyTorch's cache "
+        "returns blocks before it grows past it, so runs that share a GPU keep to their part (0: no bound)",
+    )
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -86,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     torch.manual_seed(cfg.train.seed)
+    on_gpu = args.device.startswith("cuda")
+    if args.gpu_share and on_gpu:
+        torch.cuda.set_per_process_memory_fraction(args.gpu_share)
     torch.set_float32_matmul_precision("high")  # TF32 on a GPU: float32 weights, tensor-core matmuls
     model_dir = str(ensure_model(cfg.model, model_cache(cfg)))
     trainer = PolicyTrainer(cfg, model_dir, device=args.device, train_base=args.full)
@@ -127,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"sft_step": step, "elapsed_s": round(elapsed, 1), "lr": lr, **metrics}
             if evaluating:
                 entry.update({f"eval_{k}": v for k, v in evaluate(folder).items()})
+                if on_gpu:  # what this process holds of the GPU, for runs that share it
+                    entry.update(
+                        peak_allocated_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                        peak_reserved_gb=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+                    )
                 if args.fine_eval and entry["eval_solve_rate"] >= args.fine_eval[0]:
                     every = int(args.fine_eval[1])
             log.write(json.dumps(entry) + "\n")
