@@ -73,7 +73,7 @@ class Run:
         self.flops = model_flops(cfg)
         self.recoveries = 0
         self.last_checkpoint = 0
-        self.restored = False  # whether an attempt of this job got as far as restore(): last_checkpoint is known
+        self.restored = False  # whether this job got as far as restore() once: last_checkpoint is known
         self.saved_steps: list[int] = []  # the checkpoints this run committed: a recovery resumes from the newest
         self.start_sampler = sampler.state_dict()  # where the run began, for a recovery before any checkpoint
         self.history: list[dict] = []
@@ -191,7 +191,7 @@ def run_steps(run: Run, actors: Actors, start: int) -> None:
 
 
 def where_it_resumes(run: Run) -> str:
-    """Where a resubmitted job goes on from. A job whose every attempt failed before restore() never read the
+    """Where a resubmitted job goes on from. A job that failed before restore() every time never read the
     checkpoints, so its own count (0) says nothing of those an earlier job left: they are looked up."""
     if run.restored and run.last_checkpoint:
         return f"The newest checkpoint is step {run.last_checkpoint}; submitting the job again resumes from it."
@@ -200,11 +200,11 @@ def where_it_resumes(run: Run) -> str:
     try:
         location = check_resume(run.cfg)
     except Exception as e:  # a storage or config error here must not hide the error the job gives up on
-        return f"No attempt of this job reached its checkpoints, and looking them up failed ({e})."
+        return f"This job never reached its checkpoints, and looking them up failed ({e})."
     if location is None:
         mode = run.cfg.checkpoint.resume_mode
-        return f"No attempt of this job reached its checkpoints; with checkpoint.resume_mode={mode} none resumes."
-    return f"No attempt of this job reached its checkpoints; submitting the job again resumes from {location}."
+        return f"This job never reached its checkpoints; with checkpoint.resume_mode={mode} none resumes."
+    return f"This job never reached its checkpoints; submitting the job again resumes from {location}."
 
 
 def write_report(run_dir: Path) -> None:
