@@ -23,7 +23,9 @@ def grpo_curve(path: Path) -> list[tuple[float, float]]:
     steps: dict[int, dict] = {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        steps[record["step"]] = record  # a resumed run's record replaces the one its restart lost
+        # a resumed run's record replaces the one its restart lost; a recovery's own record (recoveries, no
+        # readings) under the step it goes back to leaves that step's readings standing
+        steps[record["step"]] = {**steps.get(record["step"], {}), **record}
     clock, curve = 0.0, []
     for step in sorted(steps):
         clock += steps[step].get("time_step_s", 0.0)
