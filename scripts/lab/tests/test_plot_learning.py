@@ -26,6 +26,19 @@ def test_sft_rounds_continue_the_clock_and_a_start_step_cuts_the_warm_start(tmp_
     assert sft_curve(log, until_step=10) == [(20.0, 0.1), (65.0, 0.5)]
 
 
+def test_a_recoverys_record_keeps_the_readings_of_the_step_it_goes_back_to(tmp_path):
+    grpo = _write(
+        tmp_path / "grpo.jsonl",
+        [
+            {"step": 0, "eval_solve_rate": 0.45},
+            {"step": 1, "time_step_s": 20.0, "eval_solve_rate": 0.5},
+            {"step": 0, "recoveries": 1, "recovery_at": 1.0},  # app.main's record of a recovery before a checkpoint
+            {"step": 1, "recoveries": 2, "recovery_at": 2.0},
+        ],
+    )
+    assert grpo_curve(grpo) == [(0.0, 0.45), (20.0, 0.5)]
+
+
 def test_a_resumed_grpo_step_counts_once_and_the_plot_is_written(tmp_path, capsys):
     grpo = _write(
         tmp_path / "grpo.jsonl",
