@@ -144,3 +144,46 @@ def test_an_engine_in_its_own_process_holds_the_adapter_sent_and_plays_as_in_pro
     assert set(held) == set(sent) and all(torch.equal(held[k], sent[k]) for k in sent)
     engine_in_process.load_lora(tensors, 31)
     assert played(engine, codec, "continuous") == played(engine_in_process, codec, "lockstep")
+
+
+def test_requests_rendered_by_builder_processes_play_as_those_rendered_here(
+    engine_in_its_own_process, engine_in_process, codec
+):
+    """rollout.request_builders: each turn's requests rendered in two spawned processes, each carrying its pictures'
+    data (the engine core's processor cache never misses whatever order they arrive in): the same episodes, twice
+    (the second time every picture is one the engine core has seen)."""
+    from app.rollout.engines.vllm_builders import RequestBuilders
+
+    engine = engine_in_its_own_process
+    tensors = random_adapter(engine.spec, seed=41)
+    engine.load_lora(adapters.pack(tensors), 41)
+    engine_in_process.load_lora(tensors, 41)
+    expected = played(engine_in_process, codec, "lockstep")
+    engine.builders = RequestBuilders(engine.llm.llm_engine.vllm_config, 2)
+    try:
+        assert played(engine, codec, "lockstep") == expected
+        assert played(engine, codec, "lockstep") == expected
+        assert engine.builders._batches >= 2 * 5  # every turn's batch went through the builders (5 turns a play)
+    finally:
+        engine.builders.close()
+        engine.builders = None
+    assert played(engine, codec, "lockstep") == expected  # rendered here again, after the builders' requests
+
+
+def test_a_request_vllm_ended_on_an_error_is_an_error_not_an_empty_reply():
+    """vLLM finishes a request it could not run (a picture missing from its processor cache, an abort) with a finish
+    reason of its own and no tokens: that is raised, never played as a reply cut at the length limit."""
+    from types import SimpleNamespace
+
+    from app.rollout.engines.vllm import VLLMEngine
+
+    def output(reason):
+        c = SimpleNamespace(token_ids=[5], logprobs=[{5: SimpleNamespace(logprob=-0.1)}], finish_reason=reason)
+        return SimpleNamespace(request_id="r1", prompt_token_ids=[1, 2], outputs=[c])
+
+    prompt = Prompt([1, 2])
+    assert VLLMEngine._generation(None, prompt, output("length")).finish_reason == "length"
+    assert VLLMEngine._generation(None, prompt, output("stop")).finish_reason == "stop"
+    for reason in ("error", "abort"):
+        with pytest.raises(RuntimeError, match=f"'{reason}'"):
+            VLLMEngine._generation(None, prompt, output(reason))

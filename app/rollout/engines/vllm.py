@@ -12,10 +12,8 @@ machine with only the transformers engine has no vLLM at all.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import sys
 import time
 
 import torch
@@ -26,43 +24,11 @@ from app.model.load import VISION_TOKENS, load_processor
 from app.rollout.encoding import ChatCodec
 from app.rollout.engines import vllm_front_end
 from app.rollout.engines.base import Engine, Generation, Prompt, Sampling, request_seed
+from app.rollout.engines.vllm_builders import RequestBuilders
+from app.rollout.engines.vllm_kernel_scan import modules_hidden_from_kernel_scan
 from app.rollout.engines.vllm_worker import from_wire, to_wire
 
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def _raises_on_hasattr(value) -> bool:
-    try:
-        hasattr(value, "__dict__")
-        return False
-    except Exception:
-        return True
-
-
-@contextlib.contextmanager
-def _modules_hidden_from_kernel_scan():
-    """Hide, while the engine starts, modules holding objects that raise on attribute access.
-
-    vLLM's worker init rebinds Triton kernels by scanning every module in sys.modules and calling
-    hasattr() on each module attribute; an unbound context proxy (flask.request, werkzeug LocalProxy,
-    pulled in by moto, Ray's dashboard or a user's server) raises RuntimeError there and aborts the
-    engine. No vLLM option skips the scan, so those modules leave sys.modules for its duration only.
-    """
-    hidden = {}
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None) or {}
-        try:
-            if any(_raises_on_hasattr(v) for v in list(namespace.values())):
-                hidden[name] = module
-        except Exception:
-            continue
-    for name in hidden:
-        del sys.modules[name]
-    try:
-        yield
-    finally:
-        for name, module in hidden.items():
-            sys.modules.setdefault(name, module)
 
 
 class VLLMEngine(Engine):
@@ -85,6 +51,7 @@ class VLLMEngine(Engine):
         engine_process: bool = False,
         keep_weights: bool = False,
         forbid_with: str = "bad_words",
+        request_builders: int = 0,
     ):
         """kv_cache_gb (GPU): the KV cache's size, given instead of measured. vLLM measures it as the memory the
         device lost while it profiled, so engines that start together on one GPU charge each other's allocations to
@@ -92,7 +59,8 @@ class VLLMEngine(Engine):
         schedule: "lockstep" (Engine.stream) or "continuous" (this class's stream). engine_process: vLLM's engine core
         in its own process. keep_weights: sleep frees the KV cache only (vllm_worker.LoraTensorLoader). forbid_with:
         how vision tokens are kept out of replies: vLLM's per-request "bad_words", or "logits_processor"
-        (vllm_logits.ForbidVisionTokens, one batched write a step; no faster on the H200, BENCHMARKS)."""
+        (vllm_logits.ForbidVisionTokens, one batched write a step; no faster on the H200, BENCHMARKS).
+        request_builders: processes rendering a batch's requests in parallel (vllm_builders; needs engine_process)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if engine_process:  # a forked engine core cannot use CUDA once this process has touched it
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -143,11 +111,14 @@ class VLLMEngine(Engine):
                 lambda record: "set_num_threads" not in record.getMessage()
             )
         start = time.perf_counter()
-        with _modules_hidden_from_kernel_scan():
+        with modules_hidden_from_kernel_scan():
             self.llm = LLM(**kwargs)
         self.in_process = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
         if self.in_process == engine_process:
             raise RuntimeError(f"vLLM started its engine core {'in' if self.in_process else 'outside'} this process")
+        if request_builders and self.in_process:  # an in-process core steps only while this process waits on it
+            raise ValueError("request_builders needs the engine core in its own process (engine_process)")
+        self.builders = RequestBuilders(self.llm.llm_engine.vllm_config, request_builders) if request_builders else None
         config = self.llm.llm_engine.model_config.hf_config
         self.spec = adapters.AdapterSpec.for_model(config.text_config, lora, config.vision_config)
         self.lora_dtype = getattr(torch, dtype)
@@ -179,7 +150,10 @@ class VLLMEngine(Engine):
             for i in range(len(prompts))
         ]
         inputs = [self._request(p, i) for i, p in enumerate(prompts)]
-        outputs = self.llm.generate(inputs, params, lora_request=self._lora_request, use_tqdm=False)
+        if self.builders is not None:
+            outputs = self.builders.generate(self.llm.llm_engine, inputs, params, self._lora_request)
+        else:
+            outputs = self.llm.generate(inputs, params, lora_request=self._lora_request, use_tqdm=False)
         gens = [self._generation(p, out) for p, out in zip(prompts, outputs)]
         self._count(1, gens, start)
         return gens
@@ -267,6 +241,8 @@ class VLLMEngine(Engine):
                 f"trainer's processor to {len(p.token_ids)}: image settings differ"
             )
         c = out.outputs[0]
+        if c.finish_reason not in ("stop", "length"):  # an engine-side error (e.g. a picture its cache lost) or abort
+            raise RuntimeError(f"vLLM ended request {out.request_id} with {c.finish_reason!r}, not a reply")
         logps = [
             next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob for t, d in zip(c.token_ids, c.logprobs)
         ]
@@ -389,4 +365,6 @@ class VLLMEngine(Engine):
         return {"engine": "vllm", "lora_version": self.lora_version, "asleep": self._asleep, **self._stats}
 
     def shutdown(self) -> None:
+        if self.builders is not None:
+            self.builders.close()
         del self.llm
