@@ -121,8 +121,9 @@ class RolloutConfig:
     request_builders: int = knob(
         0,
         "processes that render a turn's requests for vLLM in parallel (the pictures' processing, the prompts' "
-        "placeholders), so the engine core starts on the first while the rest render; needs engine_process and "
-        "schedule lockstep; 0: rendered one by one in the rollout actor",
+        "placeholders), so the engine core starts on the first while the rest render; each request then carries "
+        "the data of every picture in it, so it suits a short image_history; needs engine_process and schedule "
+        "lockstep; 0: rendered one by one in the rollout actor",
         ge=0,
         le=32,
     )

@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--logits-processor", action="store_true", help="mask by vllm_logits, not bad words")
     ap.add_argument("--tower", action="store_true", help="the adapter carries the vision tower (modules_to_save)")
     ap.add_argument("--builders", type=int, default=0, help="rollout.request_builders (needs --engine-process)")
+    ap.add_argument("--image-history", type=int, default=0, help="rollout.image_history (0: every picture)")
     ap.add_argument("--mazes", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-turns", type=int, default=13)
@@ -125,6 +126,7 @@ def main() -> None:
     )
     result = {
         "builders": args.builders,
+        "image_history": args.image_history,
         "schedule": args.schedule,
         "engine_process": args.engine_process,
         "graphs": args.graphs,
@@ -147,7 +149,7 @@ def main() -> None:
 
     result["held_equal"] = held_as_sent()
 
-    settings = EpisodeSettings(args.max_turns, 9, 32, 0, 8192)
+    settings = EpisodeSettings(args.max_turns, 9, 32, args.image_history, 8192)
     requests = [EpisodeRequest(generate_maze(100 + i // 8, 9), i // 8, i % 8) for i in range(args.mazes * 8)]
 
     def probe() -> list[list[str]]:  # greedy replies: the same before and after sleeping, or the sleep broke state
