@@ -14,7 +14,7 @@ import time
 from app.config import Config, TrainConfig
 from app.driver.cluster import Actors
 from app.driver.waits import Waits
-from app.learning.grpo import informative_groups
+from app.learning.grpo import informative_groups, uninformative_groups
 from app.rollout.engines import Sampling
 from app.rollout.engines.base import derive_seed
 
@@ -62,13 +62,14 @@ def sampling_phase(play_round, sampler, train: TrainConfig):
     DAPO's dynamic sampling: once a policy solves or fails most mazes in all of its runs, most groups carry no
     GRPO signal (11-15 of 16 in an 8B-scale GPU run), and more mazes is how a step gets back to a batch that
     does. `play_round(mazes, round_)` plays one round (rollout_phase); returns (summaries, trajectory refs,
-    {rollout_rounds, rollout_informative_groups})."""
+    {rollout_rounds, rollout_informative_groups, rollout_groups_all_solved, rollout_groups_none_solved})."""
     summaries, refs = play_round(sampler.next(train.mazes_per_step), 0)
     rounds = 1
     while informative_groups(summaries) < train.min_informative_groups and rounds <= train.refill_rounds:
         more, more_refs = play_round(sampler.next(train.mazes_per_step), rounds)
         summaries, refs, rounds = summaries + more, refs + more_refs, rounds + 1
-    return summaries, refs, {"rollout_rounds": rounds, "rollout_informative_groups": informative_groups(summaries)}
+    counts = {"rollout_rounds": rounds, "rollout_informative_groups": informative_groups(summaries)}
+    return summaries, refs, counts | uninformative_groups(summaries)
 
 
 def sync_lora(actors: Actors, lora_ref, version: int, waits: Waits) -> None:

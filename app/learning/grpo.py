@@ -66,6 +66,21 @@ def informative_groups(summaries: list[dict]) -> int:
     return sum(len(seen) > 1 for seen in rewards.values())
 
 
+def uninformative_groups(summaries: list[dict]) -> dict[str, int]:
+    """The groups whose runs all earned the same reward, split by that reward: above 0 (every run solved its maze) or
+    0 (none did). Which of the two grows says why dynamic sampling refills: a policy that has mastered most of its
+    mazes, or one that cannot solve them."""
+    rewards: dict[int, set[float]] = defaultdict(set)
+    for summary in summaries:
+        for group, _, reward in summary["rewards"]:
+            rewards[group].add(reward)
+    same = [next(iter(seen)) for seen in rewards.values() if len(seen) == 1]
+    return {
+        "rollout_groups_all_solved": sum(r > 0 for r in same),
+        "rollout_groups_none_solved": sum(r <= 0 for r in same),
+    }
+
+
 @dataclass
 class LossTerms:
     loss: torch.Tensor  # what to backpropagate (already divided by the batch's token count)

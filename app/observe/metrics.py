@@ -34,6 +34,8 @@ EXPORTED = {
     "rollout_solve_rate": "solve rate of the step's training episodes",
     "rollout_reward_mean": "mean reward of the step's training episodes",
     "rollout_informative_groups": "the step's groups whose runs earned differing rewards (non-zero GRPO advantages)",
+    "rollout_groups_all_solved": "the step's groups whose every run solved its maze (no GRPO signal: mastered)",
+    "rollout_groups_none_solved": "the step's groups of which no run solved its maze (no GRPO signal: too hard)",
     "rollout_rounds": "rounds of mazes the step played (more than 1 when train.min_informative_groups refilled it)",
     "train_loss": "GRPO loss",
     "train_pg_loss": "policy-gradient part of the loss, token mean",
