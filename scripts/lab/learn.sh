@@ -32,7 +32,8 @@
 #       same trains what the GRPO run trains (its LoRA, and the vision tower when EXTRA has lora.modules_to_save=[visual],
 #       every weight with [visual,language_model]) from the same start (WORK/control_same_K, OUT/control_same.jsonl);
 #       "same full": both, the fair control and the full-model line (CONTROL_GPU_SHARE=F: each keeps to F of the GPU's
-#       memory; on an 80 GB card with both, 0.2). The stage takes
+#       memory; on an 80 GB card with both, 0.3: at 0.2 each
+#       ran out of its 15.8 GiB before its first evaluation). The stage takes
 #       ~MINUTES + 1.7 minutes (engine start, the control's last evaluation and save; 5.0 took 403 s): in a
 #       10-minute device call that also installs the wheels keep MINUTES <= 7.3 (7.6 ran past the call's limit
 #       before the table printed). A GRPO run with CUDA graphs (rollout.enforce_eager=false, as scripts/lab/configs/learn_h200.yaml
@@ -324,7 +325,7 @@ for kind in "${CONTROLS[@]}"; do
     for a in "${SFT_ARGS[@]}"; do [ "$a" = --full ] || CONTROL_ARGS+=("$a"); done
   fi
   # CONTROL_GPU_SHARE: each control's bound on the GPU's memory (sft.py --gpu-share); unbound, two controls held
-  # 28-31 GB each of an 80 GB card and starved the GRPO run beside them
+  # 28-31 GB each of an 80 GB card and starved the GRPO run beside them; each needs more than 0.2 of an 80 GB card
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python scripts/sft.py "$CFG" "$WORK/$prefix$((n + 1))" "${OVR[@]}" \
     train.seed=$((43 + n)) "${CONTROL_ARGS[@]}" --warmup 10 --max-minutes "$MINUTES" --gpu-share "${CONTROL_GPU_SHARE:-0}" \
     > "$WORK/$prefix$((n + 1)).log" 2>&1 &
