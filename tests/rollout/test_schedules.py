@@ -170,6 +170,28 @@ def test_requests_rendered_by_builder_processes_play_as_those_rendered_here(
     assert played(engine, codec, "lockstep") == expected  # rendered here again, after the builders' requests
 
 
+@needs_vllm
+def test_an_error_mid_stream_aborts_the_requests_in_flight_and_the_next_stream_plays_as_before(
+    engine_in_process, codec
+):
+    expected = played(engine_in_process, codec, "continuous")
+    replies = []
+
+    def on_reply(key, reply):
+        replies.append(key)
+        if len(replies) == 2:
+            raise ValueError("a reply the episode cannot take")
+        return Prompt([1, 2, 3, 4])
+
+    try:
+        with pytest.raises(ValueError, match="cannot take"):
+            engine_in_process.stream({k: Prompt([1, 2, 3]) for k in range(4)}, GREEDY.for_turn, on_reply)
+        assert not engine_in_process.llm.llm_engine.has_unfinished_requests()  # the other requests were aborted
+        assert played(engine_in_process, codec, "continuous") == expected
+    finally:
+        engine_in_process.schedule = "lockstep"
+
+
 def test_a_request_vllm_ended_on_an_error_is_an_error_not_an_empty_reply():
     """vLLM finishes a request it could not run (a picture missing from its processor cache, an abort) with a finish
     reason of its own and no tokens: that is raised, never played as a reply cut at the length limit."""

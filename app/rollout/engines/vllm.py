@@ -26,6 +26,7 @@ from app.rollout.engines import vllm_front_end
 from app.rollout.engines.base import Engine, Generation, Prompt, Sampling, request_seed
 from app.rollout.engines.vllm_builders import RequestBuilders
 from app.rollout.engines.vllm_kernel_scan import modules_hidden_from_kernel_scan
+from app.rollout.engines.vllm_requests import EngineRequests
 from app.rollout.engines.vllm_worker import from_wire, to_wire
 
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -165,40 +166,31 @@ class VLLMEngine(Engine):
         named by (turn, key), so a conversation samples the same numbers whatever the batch around it."""
         if self.schedule == "lockstep":
             return super().stream(first, sampling_for, on_reply)
-        from vllm.sampling_params import RequestOutputKind
-
         self._check_awake()
         start = time.perf_counter()
-        engine = self.llm.llm_engine
         waiting: dict[str, tuple[int, int, Prompt]] = {}  # request id -> key, turn, prompt
         gens: list[Generation] = []
         self._streams += 1
 
-        def submit(key: int, turn: int, prompt: Prompt) -> None:
-            sampling = sampling_for(turn)
-            params = self._params(sampling, None if sampling.seed is None else request_seed(sampling.seed, key))
-            params.output_kind = RequestOutputKind.FINAL_ONLY
-            request_id = f"stream{self._streams}-{key}-{turn}"
-            # rendered as LLM.generate renders its prompts (LLM._preprocess_cmpl, in vLLM 0.26 and 0.32)
-            rendered = self.llm._preprocess_cmpl([self._request(prompt, key)])[0]
-            engine.add_request(request_id, rendered, params, lora_request=self._lora_request)
-            waiting[request_id] = (key, turn, prompt)
+        with EngineRequests(self.llm.llm_engine) as in_flight:
 
-        try:
+            def submit(key: int, turn: int, prompt: Prompt) -> None:
+                sampling = sampling_for(turn)
+                params = self._params(sampling, None if sampling.seed is None else request_seed(sampling.seed, key))
+                request_id = f"stream{self._streams}-{key}-{turn}"
+                # rendered as LLM.generate renders its prompts (LLM._preprocess_cmpl, in vLLM 0.26 and 0.32)
+                rendered = self.llm._preprocess_cmpl([self._request(prompt, key)])[0]
+                in_flight.add(request_id, rendered, params, self._lora_request)
+                waiting[request_id] = (key, turn, prompt)
+
             for key, prompt in first.items():
                 submit(key, 0, prompt)
-            while waiting:
-                for out in engine.step():
-                    if not out.finished:
-                        continue
-                    key, turn, prompt = waiting.pop(out.request_id)
-                    gens.append(self._generation(prompt, out))
-                    following = on_reply(key, gens[-1])
-                    if following is not None:
-                        submit(key, turn + 1, following)
-        finally:
-            if waiting:  # an error mid-stream: nothing of this stream may run on into the next
-                engine.abort_request(list(waiting))
+            for out in in_flight.finished():  # an error here leaves the block: what is in flight is aborted
+                key, turn, prompt = waiting.pop(out.request_id)
+                gens.append(self._generation(prompt, out))
+                following = on_reply(key, gens[-1])
+                if following is not None:
+                    submit(key, turn + 1, following)
         self._count(1, gens, start)  # a stream is one call into the engine
 
     def _check_awake(self) -> None:

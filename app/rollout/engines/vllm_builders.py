@@ -19,6 +19,8 @@ import multiprocessing
 import pickle
 from collections.abc import Iterator
 
+from app.rollout.engines.vllm_requests import EngineRequests
+
 _renderer = None
 _model_config = None
 
@@ -64,25 +66,12 @@ class RequestBuilders:
     def generate(self, engine, requests: list[dict], params: list, lora_request) -> list:
         """vLLM's final output for each request, in order: each request enters the engine core as soon as it is
         rendered, and the engine steps once all are in (the core runs meanwhile in its own process)."""
-        from vllm.sampling_params import RequestOutputKind
-
         self._batches += 1
         ids = [f"built{self._batches}-{i}" for i in range(len(requests))]
-        finished: dict[str, object] = {}
-        added: list[str] = []
-        try:
+        with EngineRequests(engine) as in_flight:
             for request_id, rendered, p in zip(ids, self.rendered(requests), params):
-                p.output_kind = RequestOutputKind.FINAL_ONLY
-                engine.add_request(request_id, rendered, p, lora_request=lora_request)
-                added.append(request_id)
-            while len(finished) < len(ids):
-                for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-        finally:
-            unfinished = [i for i in added if i not in finished]
-            if unfinished:  # an error mid-batch: nothing of it may run on into the next
-                engine.abort_request(unfinished)
+                in_flight.add(request_id, rendered, p, lora_request)
+            finished = {out.request_id: out for out in in_flight.finished()}
         return [finished[i] for i in ids]
 
     def close(self) -> None:
