@@ -56,25 +56,26 @@ def compute_advantages(
     return AdvantageResult(advantages, keep, len(members), zero_var)
 
 
-def informative_groups(summaries: list[dict]) -> int:
-    """How many groups in rollout summaries (their "rewards": (group, sample, reward) triples) earned differing
-    rewards: the groups whose GRPO advantages are not all zero."""
+def _rewards_by_group(summaries: list[dict]) -> dict[int, set[float]]:
+    """The distinct rewards each group's runs earned, across rollout summaries ("rewards": (group, sample, reward))."""
     rewards: dict[int, set[float]] = defaultdict(set)
     for summary in summaries:
         for group, _, reward in summary["rewards"]:
             rewards[group].add(reward)
-    return sum(len(seen) > 1 for seen in rewards.values())
+    return rewards
+
+
+def informative_groups(summaries: list[dict]) -> int:
+    """How many groups in rollout summaries earned differing rewards: the groups whose GRPO advantages are not all
+    zero."""
+    return sum(len(seen) > 1 for seen in _rewards_by_group(summaries).values())
 
 
 def uninformative_groups(summaries: list[dict]) -> dict[str, int]:
     """The groups whose runs all earned the same reward, split by that reward: above 0 (every run solved its maze) or
     0 (none did). Which of the two grows says why dynamic sampling refills: a policy that has mastered most of its
     mazes, or one that cannot solve them."""
-    rewards: dict[int, set[float]] = defaultdict(set)
-    for summary in summaries:
-        for group, _, reward in summary["rewards"]:
-            rewards[group].add(reward)
-    same = [next(iter(seen)) for seen in rewards.values() if len(seen) == 1]
+    same = [next(iter(seen)) for seen in _rewards_by_group(summaries).values() if len(seen) == 1]
     return {
         "rollout_groups_all_solved": sum(r > 0 for r in same),
         "rollout_groups_none_solved": sum(r <= 0 for r in same),
