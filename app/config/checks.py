@@ -175,12 +175,6 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
                 f"it is {getattr(r, field)}, which only the vLLM engine offers",
                 f"set rollout.engine=vllm, or rollout.{field}={'lockstep' if field == 'schedule' else 'false'}",
             )
-    if r.request_builders and (r.engine != "vllm" or not r.engine_process or r.schedule != "lockstep"):
-        raise ConfigError(
-            "rollout.request_builders",
-            "builders hand vLLM's engine core the requests of lockstep batches, with the core in its own process",
-            "set rollout.engine=vllm rollout.engine_process=true rollout.schedule=lockstep, or request_builders=0",
-        )
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "rollout.engine",

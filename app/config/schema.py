@@ -118,15 +118,6 @@ class RolloutConfig:
     engine_process: bool = knob(
         False, "vLLM's engine core in its own process, so the episode loop's host work overlaps the GPU's"
     )
-    request_builders: int = knob(
-        0,
-        "processes that render a turn's requests for vLLM in parallel (the pictures' processing, the prompts' "
-        "placeholders), so the engine core starts on the first while the rest render; each request then carries "
-        "the data of every picture in it, so it suits a short image_history; needs engine_process and schedule "
-        "lockstep; 0: rendered one by one in the rollout actor",
-        ge=0,
-        le=32,
-    )
 
 
 @dataclass

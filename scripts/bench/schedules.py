@@ -94,7 +94,6 @@ def main() -> None:
     ap.add_argument("--keep-weights", action="store_true", help="sleep frees the KV cache only")
     ap.add_argument("--logits-processor", action="store_true", help="mask by vllm_logits, not bad words")
     ap.add_argument("--tower", action="store_true", help="the adapter carries the vision tower (modules_to_save)")
-    ap.add_argument("--builders", type=int, default=0, help="rollout.request_builders (needs --engine-process)")
     ap.add_argument("--image-history", type=int, default=0, help="rollout.image_history (0: every picture)")
     ap.add_argument("--mazes", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
@@ -122,10 +121,8 @@ def main() -> None:
         engine_process=args.engine_process,
         keep_weights=args.keep_weights,
         forbid_with="logits_processor" if args.logits_processor else "bad_words",
-        request_builders=args.builders,
     )
     result = {
-        "builders": args.builders,
         "image_history": args.image_history,
         "schedule": args.schedule,
         "engine_process": args.engine_process,

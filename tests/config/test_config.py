@@ -161,27 +161,6 @@ BAD = [
         False,
     ),
     (
-        "builders-in-process",
-        None,
-        ["rollout.engine=vllm", "rollout.request_builders=2"],
-        "rollout.request_builders",
-        "engine_process=true",
-        False,
-    ),
-    (
-        "builders-continuous",
-        None,
-        [
-            "rollout.engine=vllm",
-            "rollout.engine_process=true",
-            "rollout.schedule=continuous",
-            "rollout.request_builders=2",
-        ],
-        "rollout.request_builders",
-        "lockstep batches",
-        False,
-    ),
-    (
         "resume-mode-sometimes",
         "checkpoint: {resume_mode: sometimes}\n",
         [],

@@ -146,30 +146,6 @@ def test_an_engine_in_its_own_process_holds_the_adapter_sent_and_plays_as_in_pro
     assert played(engine, codec, "continuous") == played(engine_in_process, codec, "lockstep")
 
 
-def test_requests_rendered_by_builder_processes_play_as_those_rendered_here(
-    engine_in_its_own_process, engine_in_process, codec
-):
-    """rollout.request_builders: each turn's requests rendered in two spawned processes, each carrying its pictures'
-    data (the engine core's processor cache never misses whatever order they arrive in): the same episodes, twice
-    (the second time every picture is one the engine core has seen)."""
-    from app.rollout.engines.vllm_builders import RequestBuilders
-
-    engine = engine_in_its_own_process
-    tensors = random_adapter(engine.spec, seed=41)
-    engine.load_lora(adapters.pack(tensors), 41)
-    engine_in_process.load_lora(tensors, 41)
-    expected = played(engine_in_process, codec, "lockstep")
-    engine.builders = RequestBuilders(engine.llm.llm_engine.vllm_config, 2)
-    try:
-        assert played(engine, codec, "lockstep") == expected
-        assert played(engine, codec, "lockstep") == expected
-        assert engine.builders._batches >= 2 * 5  # every turn's batch went through the builders (5 turns a play)
-    finally:
-        engine.builders.close()
-        engine.builders = None
-    assert played(engine, codec, "lockstep") == expected  # rendered here again, after the builders' requests
-
-
 @needs_vllm
 def test_an_error_mid_stream_aborts_the_requests_in_flight_and_the_next_stream_plays_as_before(
     engine_in_process, codec

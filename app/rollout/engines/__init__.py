@@ -35,7 +35,6 @@ def make_engine(cfg: Config, model_dir: str, device: str = "cpu", index: int = 0
             kv_cache_gb=cfg.rollout.kv_cache_gb,
             schedule=cfg.rollout.schedule,
             engine_process=cfg.rollout.engine_process,
-            request_builders=cfg.rollout.request_builders,
         )
 
     return HFEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, device=device)

@@ -24,7 +24,6 @@ from app.model.load import VISION_TOKENS, load_processor
 from app.rollout.encoding import ChatCodec
 from app.rollout.engines import vllm_front_end
 from app.rollout.engines.base import Engine, Generation, Prompt, Sampling, request_seed
-from app.rollout.engines.vllm_builders import RequestBuilders
 from app.rollout.engines.vllm_kernel_scan import modules_hidden_from_kernel_scan
 from app.rollout.engines.vllm_requests import EngineRequests
 from app.rollout.engines.vllm_worker import from_wire, to_wire
@@ -52,7 +51,6 @@ class VLLMEngine(Engine):
         engine_process: bool = False,
         keep_weights: bool = False,
         forbid_with: str = "bad_words",
-        request_builders: int = 0,
     ):
         """kv_cache_gb (GPU): the KV cache's size, given instead of measured. vLLM measures it as the memory the
         device lost while it profiled, so engines that start together on one GPU charge each other's allocations to
@@ -60,8 +58,7 @@ class VLLMEngine(Engine):
         schedule: "lockstep" (Engine.stream) or "continuous" (this class's stream). engine_process: vLLM's engine core
         in its own process. keep_weights: sleep frees the KV cache only (vllm_worker.LoraTensorLoader). forbid_with:
         how vision tokens are kept out of replies: vLLM's per-request "bad_words", or "logits_processor"
-        (vllm_logits.ForbidVisionTokens, one batched write a step; no faster on the H200, BENCHMARKS).
-        request_builders: processes rendering a batch's requests in parallel (vllm_builders; needs engine_process)."""
+        (vllm_logits.ForbidVisionTokens, one batched write a step; no faster on the H200, BENCHMARKS)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if engine_process:  # a forked engine core cannot use CUDA once this process has touched it
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -117,9 +114,6 @@ class VLLMEngine(Engine):
         self.in_process = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
         if self.in_process == engine_process:
             raise RuntimeError(f"vLLM started its engine core {'in' if self.in_process else 'outside'} this process")
-        if request_builders and self.in_process:  # an in-process core steps only while this process waits on it
-            raise ValueError("request_builders needs the engine core in its own process (engine_process)")
-        self.builders = RequestBuilders(self.llm.llm_engine.vllm_config, request_builders) if request_builders else None
         config = self.llm.llm_engine.model_config.hf_config
         self.spec = adapters.AdapterSpec.for_model(config.text_config, lora, config.vision_config)
         self.lora_dtype = getattr(torch, dtype)
@@ -151,10 +145,7 @@ class VLLMEngine(Engine):
             for i in range(len(prompts))
         ]
         inputs = [self._request(p, i) for i, p in enumerate(prompts)]
-        if self.builders is not None:
-            outputs = self.builders.generate(self.llm.llm_engine, inputs, params, self._lora_request)
-        else:
-            outputs = self.llm.generate(inputs, params, lora_request=self._lora_request, use_tqdm=False)
+        outputs = self.llm.generate(inputs, params, lora_request=self._lora_request, use_tqdm=False)
         gens = [self._generation(p, out) for p, out in zip(prompts, outputs)]
         self._count(1, gens, start)
         return gens
@@ -357,6 +348,4 @@ class VLLMEngine(Engine):
         return {"engine": "vllm", "lora_version": self.lora_version, "asleep": self._asleep, **self._stats}
 
     def shutdown(self) -> None:
-        if self.builders is not None:
-            self.builders.close()
         del self.llm

@@ -2,9 +2,9 @@
 the caller leaves early.
 
 `LLM.generate` adds a whole batch and steps until it drains. The continuous schedule adds an episode's next turn as
-soon as its reply is out, and the request builders add each request as soon as it is rendered; both need the engine's
-own add / step / abort calls. An error between them (a bad reply, a builder that failed) must not leave requests
-running into the next batch, where their outputs would arrive unasked for.
+soon as its reply is out, so it needs the engine's own add / step / abort calls. An error between them (a bad reply,
+an environment that raised) must not leave requests running into the next batch, where their outputs would arrive
+unasked for.
 """
 
 from __future__ import annotations
