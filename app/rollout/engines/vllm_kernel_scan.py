@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 
 
 def _raises_on_hasattr(value) -> bool:
@@ -24,13 +25,15 @@ def modules_hidden_from_kernel_scan():
     engine. No vLLM option skips the scan, so those modules leave sys.modules for its duration only.
     """
     hidden = {}
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None) or {}
-        try:
-            if any(_raises_on_hasattr(v) for v in list(namespace.values())):
-                hidden[name] = module
-        except Exception:
-            continue
+    with warnings.catch_warnings():  # deprecated attributes warn when touched; this look at them is no use of them
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            namespace = getattr(module, "__dict__", None) or {}
+            try:
+                if any(_raises_on_hasattr(v) for v in list(namespace.values())):
+                    hidden[name] = module
+            except Exception:
+                continue
     for name in hidden:
         del sys.modules[name]
     try:
