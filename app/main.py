@@ -13,7 +13,8 @@ import argparse
 import logging
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from app.config import Config, ConfigError, absolute_paths, describe, load_config
@@ -76,6 +77,8 @@ class Run:
         self.restored = False  # whether this job got as far as restore() once: last_checkpoint is known
         self.saved_steps: list[int] = []  # the checkpoints this run committed: a recovery resumes from the newest
         self.start_sampler = sampler.state_dict()  # where the run began, for a recovery before any checkpoint
+        # just past the newest trained step's mazes, not those played ahead: where a checkpoint resumes
+        self.sampler_at_step = sampler.state_dict()
         self.history: list[dict] = []
 
     def efficiency(self, metrics: dict, actors: Actors) -> dict:
@@ -88,7 +91,7 @@ class Run:
     def json_state(self, trainer_state: dict) -> dict:
         return {
             "trainer": trainer_state,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.sampler_at_step,
             "recoveries": self.recoveries,
             "metrics_history": self.history,
             "config": asdict(self.cfg),
@@ -161,29 +164,55 @@ def save(run: Run, actors: Actors, step: int, lora_ref) -> dict:
     return out
 
 
-def run_steps(run: Run, actors: Actors, start: int) -> None:
+@dataclass
+class Played:
+    """One step's rollouts: what the trainers take, what the step reports, and the sampler just past its mazes."""
 
+    summaries: list[dict]
+    trajectory_refs: list
+    sampling: dict
+    seconds: float
+    sampler_state: dict
+
+
+def play(run: Run, actors: Actors, step: int) -> Played:
+    """The step's rollouts, dynamic sampling's refill rounds included."""
+    cfg, started = run.cfg, time.perf_counter()
+    summaries, refs, sampling = sampling_phase(
+        lambda mazes, round_: rollout_phase(actors, mazes, cfg, step, round_, run.waits), run.sampler, cfg.train
+    )
+    return Played(summaries, refs, sampling, time.perf_counter() - started, run.sampler.state_dict())
+
+
+def run_steps(run: Run, actors: Actors, start: int) -> None:
+    """The GRPO steps. With rollout.play_ahead, step k+1's rollouts play while step k trains: the engines hold
+    adapter k-1 then, so each batch from the second step on trains one version after the adapter that played it.
+    A step's time_rollout_s is its batch's, played during the previous step's train phase when played ahead."""
     cfg, waits = run.cfg, run.waits
+    ahead = None  # the next step's rollouts, played while this step trained
     for step in range(start + 1, cfg.total_steps + 1):
         times: dict = {}
-        with timed(times, "rollout"):
-            summaries, trajectory_refs, sampling = sampling_phase(
-                lambda mazes, round_, s=step: rollout_phase(actors, mazes, cfg, s, round_, waits),
-                run.sampler,
-                cfg.train,
-            )
+        if ahead is None:
+            with timed(times, "rollout"):
+                played = play(run, actors, step)
+        else:
+            played = ahead
         sleep_engines(actors, waits)
+        meanwhile = partial(play, run, actors, step + 1) if cfg.rollout.play_ahead and step < cfg.total_steps else None
         with timed(times, "train"):
-            train_metrics, lora_ref = train_phase(actors, trajectory_refs, step, waits)
+            train_metrics, lora_ref, ahead = train_phase(actors, played.trajectory_refs, step, waits, meanwhile)
         with timed(times, "sync"):
             sync_lora(actors, lora_ref, step, waits)
-        metrics = {**merge_rollout(summaries, times["time_rollout_s"]), **sampling, **prefixed("train", train_metrics)}
+        metrics = {**merge_rollout(played.summaries, played.seconds), **played.sampling}
+        metrics.update(prefixed("train", train_metrics))
         if step == cfg.total_steps or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0):
             with timed(times, "eval"):
                 metrics.update(evaluate(actors, step, waits))
+        run.sampler_at_step = played.sampler_state
         with timed(times, "checkpoint"):
             metrics.update(save(run, actors, step, lora_ref))
         times["time_step_s"] = sum(times.values())
+        times["time_rollout_s"] = played.seconds
         metrics.update(times, lora_version=step, recoveries=run.recoveries, stalls=waits.stalls)
         metrics.update(checkpoint_age_steps=step - run.last_checkpoint, **run.efficiency(metrics, actors))
         run.history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))} | {"step": step})

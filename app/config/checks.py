@@ -164,6 +164,12 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             f"{folder[1]!r} holds a glob character (* ? [), and vLLM finds the model's weight files by glob",
             "use a folder whose path has none of * ? [ ]",
         )
+    if r.play_ahead and (r.sleep_level != 0 or r.keep_weights):
+        raise ConfigError(
+            "rollout.play_ahead",
+            "the engines play the next step's episodes while the trainers train, so they never sleep",
+            "set rollout.sleep_level=0 rollout.keep_weights=false, or rollout.play_ahead=false",
+        )
     if r.keep_weights and r.sleep_level == 0:
         raise ConfigError(
             "rollout.keep_weights", "it chooses what sleep frees, and sleep_level 0 never sleeps", "set sleep_level=1"

@@ -118,6 +118,11 @@ class RolloutConfig:
     engine_process: bool = knob(
         False, "vLLM's engine core in its own process, so the episode loop's host work overlaps the GPU's"
     )
+    play_ahead: bool = knob(
+        False,
+        "play step k+1's episodes while step k trains (needs sleep_level 0): each batch from the second step on "
+        "was played by the adapter one version older than the one it trains, and a step takes about its longer phase",
+    )
 
 
 @dataclass

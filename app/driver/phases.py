@@ -84,11 +84,13 @@ def sleep_engines(actors: Actors, waits: Waits) -> None:
     waits.gather([a.sleep.remote() for a in actors.rollouts], "sleep", actors.rollout_names)
 
 
-def train_phase(actors: Actors, trajectory_refs: list, step: int, waits: Waits):
-    """One GRPO update on every trainer rank; returns (rank 0's metrics, a ref of rank 0's new adapter)."""
+def train_phase(actors: Actors, trajectory_refs: list, step: int, waits: Waits, meanwhile=None):
+    """One GRPO update on every trainer rank, the driver running `meanwhile()` while the ranks train; returns
+    (rank 0's metrics, a ref of rank 0's new adapter, what `meanwhile` returned or None)."""
     results = [t.step.remote(trajectory_refs, step) for t in actors.trainers]
+    during = meanwhile() if meanwhile is not None else None
     metrics = waits.gather([m for m, _ in results], "train", actors.trainer_names)[0]
-    return metrics, results[0][1]
+    return metrics, results[0][1], during
 
 
 def warm_start_step(actors: Actors, seeds: list[int], lr: float, waits: Waits) -> dict:
@@ -152,6 +154,8 @@ def merge_rollout(summaries: list[dict], seconds: float) -> dict:
             "context_tokens_mean",
         )
     }
+    # the oldest adapter any of the batch's episodes was played by (the engines all hold one version)
+    out["rollout_lora_version"] = min(s["lora_version"] for s in summaries) if summaries else -1
     out.update(
         rollout_context_tokens=sum(s.get("context_tokens", 0.0) for s in summaries),
         rollout_images=sum(s.get("images", 0.0) for s in summaries),

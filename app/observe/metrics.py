@@ -78,6 +78,7 @@ EXPORTED = {
     "time_checkpoint_s": "adapter export and checkpoint duration (near zero when neither is due)",
     "time_step_s": "whole step duration",
     "lora_version": "adapter version the rollout engines hold",
+    "rollout_lora_version": "adapter version that played the step's batch (one step behind with rollout.play_ahead)",
     "recoveries": "actor or node losses recovered from",
     "stalls": "waits of the driver that ran past their bound (waits.*), each answered like a lost actor",
     "checkpoint_age_steps": "steps since the last complete checkpoint",

@@ -112,4 +112,5 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
         # the tokens and pictures an engine computed: each sequence's context once (prefix caching covers the rest)
         "context_tokens": float(sum(t.num_tokens for t in trajectories)),
         "images": float(sum(len(s.image_indices) for t in trajectories for s in t.sequences)),
+        "lora_version": min((t.lora_version for t in trajectories), default=-1),
     }

@@ -152,6 +152,15 @@ BAD = [
         "sleep_level",
         False,
     ),
+    ("play-ahead-sleeping", None, ["rollout.play_ahead=true"], "rollout.play_ahead", "sleep_level=0", False),
+    (
+        "play-ahead-keeping-weights",
+        None,
+        ["rollout.play_ahead=true", "rollout.sleep_level=0", "rollout.keep_weights=true"],
+        "rollout.play_ahead",
+        "keep_weights=false",
+        False,
+    ),
     (
         "process-on-hf",
         None,
@@ -450,8 +459,19 @@ def test_override_with_empty_key_names_something() -> None:
         ["checkpoint.s3_uri=s3://bucket", "checkpoint.s3_uri=s3://bucket/a/b"],
         ["checkpoint.resume_mode=none", "checkpoint.resume_path=/nowhere"],
         ["run_name=my-run_2"],
+        ["rollout.play_ahead=true", "rollout.sleep_level=0"],
     ],
-    ids=["drgrpo-one-sample", "divides", "maze11-17turns", "maze5-5turns", "mha", "s3", "resume-none", "run-name"],
+    ids=[
+        "drgrpo-one-sample",
+        "divides",
+        "maze11-17turns",
+        "maze5-5turns",
+        "mha",
+        "s3",
+        "resume-none",
+        "run-name",
+        "play-ahead",
+    ],
 )
 def test_valid_edge_combinations_load(overrides: list[str]) -> None:
     assert isinstance(load_config(None, overrides), Config)

@@ -316,3 +316,30 @@ def test_a_job_that_trains_whole_modules_checkpoints_and_exports_them(ray_cluste
         assert config["modules_to_save"] == saved
         assert any(k.startswith(adapters.VISION_PREFIX) for k in tensors), folder
         assert any(adapters.is_language_weight(k) for k in tensors) == ("language_model" in saved), folder
+
+
+def test_playing_ahead_trains_each_batch_one_version_after_the_adapter_that_played_it(ray_cluster, tmp_path):
+    """rollout.play_ahead: step k+1's episodes play while step k trains, so from step 2 on a batch was played by
+    adapter k-1 (step 1's by the initial adapter, version 0). A checkpoint stores the sampler just past its own
+    step's mazes, not those already played ahead, so a resume plays the next step's mazes again."""
+    from app.world.sampler import MazeSampler, eval_mazes
+
+    overrides = ["train.max_steps=3", "eval.at_start=false", "eval.eval_interval=0", "checkpoint.hf_save_interval=0"]
+    overrides += ["checkpoint.ckpt_interval=2", "rollout.play_ahead=true", "rollout.sleep_level=0"]
+    assert run_main(tmp_path, *overrides) == 0
+    steps = [r for r in read_log(tmp_path / "tiny" / "metrics.jsonl") if "train_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["rollout_lora_version"] for r in steps] == [0, 0, 1]
+    assert [r["lora_version"] for r in steps] == [1, 2, 3]
+    assert all(r["time_rollout_s"] > 0 and r["time_step_s"] >= r["time_train_s"] for r in steps)
+    cfg = tiny_config(*FAST, *overrides)
+    held_out = {m.identity for m in eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)}
+    sampler = MazeSampler(
+        cfg.train.seed, cfg.train.dataset_size, cfg.maze.size, held_out, random_starts=cfg.train.random_starts
+    )
+    for _ in range(2):
+        sampler.next(cfg.train.mazes_per_step)
+    saved = json.loads((tmp_path / "tiny" / "checkpoints" / "global_step_000002" / "state.json").read_text())
+    assert saved["state"]["sampler"] == sampler.state_dict()
+    sampler.next(cfg.train.mazes_per_step)  # step 3's mazes, played ahead while step 2 trained
+    assert saved["state"]["sampler"] != sampler.state_dict()
