@@ -319,17 +319,22 @@ def test_a_job_that_trains_whole_modules_checkpoints_and_exports_them(ray_cluste
 
 
 def test_playing_ahead_trains_each_batch_one_version_after_the_adapter_that_played_it(ray_cluster, tmp_path):
-    """rollout.play_ahead: step k+1's episodes play while step k trains, so from step 2 on a batch was played by
-    adapter k-1 (step 1's by the initial adapter, version 0). A checkpoint stores the sampler just past its own
-    step's mazes, not those already played ahead, so a resume plays the next step's mazes again."""
+    """rollout.play_ahead: step k+1's episodes play while step k trains, so step 2's batch was played by the initial
+    adapter (version 0) like step 1's. A checkpoint stores the sampler just past its own step's mazes, not those
+    played ahead: a rollout actor lost after step 2 drops step 3's batch played ahead, and the resumed run plays
+    step 3's mazes again, by step 2's adapter."""
     from app.world.sampler import MazeSampler, eval_mazes
+    from tests.driver.test_reference_loop import kill_rollout_after
 
     overrides = ["train.max_steps=3", "eval.at_start=false", "eval.eval_interval=0", "checkpoint.hf_save_interval=0"]
     overrides += ["checkpoint.ckpt_interval=2", "rollout.play_ahead=true", "rollout.sleep_level=0"]
+    watcher = kill_rollout_after(tmp_path / "tiny", 2)
     assert run_main(tmp_path, *overrides) == 0
-    steps = [r for r in read_log(tmp_path / "tiny" / "metrics.jsonl") if "train_loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    assert [r["rollout_lora_version"] for r in steps] == [0, 0, 1]
+    watcher.join(timeout=1)
+    records = read_log(tmp_path / "tiny" / "metrics.jsonl")
+    steps = [r for r in records if "train_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and steps[-1]["recoveries"] == 1
+    assert [r["rollout_lora_version"] for r in steps] == [0, 0, 2]  # without the loss, step 3's would be 1
     assert [r["lora_version"] for r in steps] == [1, 2, 3]
     assert all(r["time_rollout_s"] > 0 and r["time_step_s"] >= r["time_train_s"] for r in steps)
     cfg = tiny_config(*FAST, *overrides)
@@ -341,5 +346,6 @@ def test_playing_ahead_trains_each_batch_one_version_after_the_adapter_that_play
         sampler.next(cfg.train.mazes_per_step)
     saved = json.loads((tmp_path / "tiny" / "checkpoints" / "global_step_000002" / "state.json").read_text())
     assert saved["state"]["sampler"] == sampler.state_dict()
-    sampler.next(cfg.train.mazes_per_step)  # step 3's mazes, played ahead while step 2 trained
-    assert saved["state"]["sampler"] != sampler.state_dict()
+    sampler.next(cfg.train.mazes_per_step)  # step 3's mazes, played ahead while step 2 trained, and again after
+    final = json.loads((tmp_path / "tiny" / "checkpoints" / "global_step_000003" / "state.json").read_text())
+    assert final["state"]["sampler"] == sampler.state_dict() != saved["state"]["sampler"]
