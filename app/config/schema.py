@@ -156,6 +156,12 @@ class TrainConfig:
     update_epochs: int = knob(1, "optimizer passes over each step's batch", ge=1)
     clip_low: float = knob(0.2, "PPO ratio clip below 1", ge=0.0, lt=1.0)
     clip_high: float = knob(0.2, "PPO ratio clip above 1", ge=0.0)
+    rollout_ratio_cap: float = knob(
+        0.0,
+        "weight each trained token by min(pi_before_update / pi_that_played_it, cap) (truncated importance sampling, "
+        "for rollout.play_ahead's older adapter and the engine's numerics); 0 leaves the weight out",
+        ge=0.0,
+    )
     kl_coef: float = knob(
         0.0,
         "weight of the KL to the reference (adapter disabled: the base, so not with a warm start); 0 skips it",

@@ -98,6 +98,15 @@ def advantage_table(batch: list[TrainItem]) -> torch.Tensor:
     return table
 
 
+def rollout_logprob_table(batch: list[TrainItem]) -> torch.Tensor:
+    """[B, width] the engine's log-probability of each position's token (0 where it sampled none), padded like the
+    batch's inputs."""
+    table = torch.zeros(len(batch), max(len(it.token_ids) for it in batch))
+    for row, it in enumerate(batch):
+        table[row, : len(it.token_ids)] = it.rollout_logprobs
+    return table
+
+
 def shard(items: list[TrainItem], rank: int, world: int) -> list[TrainItem]:
     """This rank's share: longest first, each to the rank with the fewest tokens so far (deterministic)."""
     loads = [0] * world

@@ -109,19 +109,25 @@ def policy_loss(
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    behaviour_weight: torch.Tensor | None = None,
 ) -> LossTerms:
     """PPO clipped surrogate, token-mean over `total_tokens` (the whole batch, across ranks).
 
     All tensors have the same shape; `advantages` is the trajectory's advantage broadcast to its
     tokens; `mask` is 1 on trained tokens. The sum over a micro-batch divided by the batch's token
     count makes micro-batches add up to the token-mean of the batch. `entropy` (with its graph) is the policy's
-    entropy at each position; `entropy_coef` > 0 rewards keeping it.
+    entropy at each position; `entropy_coef` > 0 rewards keeping it. `behaviour_weight` (no graph), where the batch
+    was played by another policy than `old_logp`'s (an older adapter, an engine's numerics), weights each token's
+    surrogate by that policy's truncated ratio, min(pi_old / pi_played, cap): decoupled PPO's correction, with the
+    clip still taken around the policy before the update.
     """
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     surrogate = torch.minimum(unclipped, clipped_ratio * advantages)
+    if behaviour_weight is not None:
+        surrogate = surrogate * behaviour_weight
     pg = -(surrogate * mask).sum()
     was_clipped = ((clipped_ratio * advantages < unclipped) & (mask > 0)).sum()
     kl = torch.zeros((), dtype=logp.dtype)

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from app.config import Config
 from app.learning import grpo
-from app.learning.batch import TrainItem, advantage_table, build_items, micro_batches, shard
+from app.learning.batch import TrainItem, advantage_table, build_items, micro_batches, rollout_logprob_table, shard
 from app.learning.forward import PolicyForward
 from app.learning.speedups.compiled_layers import compile_language_layers
 from app.learning.speedups.picture_cache import PictureCache
@@ -120,9 +120,8 @@ class PolicyTrainer:
             int(self._all_reduce(local[1:].clone(), "max").item()),
         )
         forward_tokens = self._all_reduce(torch.tensor([float(sum(len(it.token_ids) for it in items))])).item()
-        sums = torch.zeros(
-            7, dtype=torch.float64
-        )  # first pass: pg, kl, tokens, entropy, |mismatch|, max mismatch, loss
+        # first pass: pg, kl, tokens, entropy, |mismatch|, max mismatch, loss, the rollout ratio's truncated weight
+        sums = torch.zeros(8, dtype=torch.float64)
         # the last pass's clipped tokens, k3(old || current) and tokens: in the first pass the ratio is 1 by
         # construction, so only a later pass shows how far the update moved the policy and what the clip cut
         moved = torch.zeros(3, dtype=torch.float64)
@@ -143,6 +142,9 @@ class PolicyTrainer:
                 if keep_old and old[i] is None:  # the first pass runs before any step: pre-update
                     old[i] = old_logp
                 adv = advantage_table(batch)[:, wanted + 1].to(logp.device)
+                rollout_logp = rollout_logprob_table(batch)[:, wanted + 1].to(logp.device)
+                cap = cfg.rollout_ratio_cap  # truncated importance sampling: the engine's policy played the batch
+                behaviour = torch.exp(old_logp - rollout_logp).clamp(max=cap) if cap > 0 else None
                 ref = None
                 if self.cfg.train.kl_coef > 0:
                     ref = self.token_logprobs(batch, with_grad=False, adapter=False)[0]
@@ -158,6 +160,7 @@ class PolicyTrainer:
                     cfg.kl_coef,
                     entropy,
                     cfg.entropy_coef,
+                    behaviour,
                 )
                 if self.distributed and hasattr(self.model, "set_requires_gradient_sync"):
                     self.model.set_requires_gradient_sync(i == passes - 1)
@@ -166,10 +169,7 @@ class PolicyTrainer:
                     drift = (grpo.kl_k3(old_logp, logp.detach()) * mask).sum().item() if old[i] is not None else 0.0
                     moved += torch.tensor([terms.clipped.item(), drift, terms.tokens], dtype=torch.float64)
                 if epoch == 0 and weight:
-                    padded = torch.zeros(len(batch), max(len(it.token_ids) for it in batch))
-                    for row, it in enumerate(batch):
-                        padded[row, : len(it.token_ids)] = it.rollout_logprobs
-                    diff = (logp.detach().cpu() - padded[:, wanted + 1]).abs() * mask.cpu()
+                    diff = ((logp.detach() - rollout_logp).abs() * mask).cpu()
                     sums += torch.tensor(
                         [
                             terms.pg_loss.item(),
@@ -179,6 +179,7 @@ class PolicyTrainer:
                             float(diff.sum()),
                             0.0,
                             terms.loss.item(),
+                            float((behaviour * mask).sum()) if behaviour is not None else terms.tokens,
                         ],
                         dtype=torch.float64,
                     )
@@ -313,6 +314,7 @@ class PolicyTrainer:
             "update_kl": last[1].item() / last_tokens,
             "logprob_mismatch_mean": s[4].item() / tokens,
             "logprob_mismatch_max": mismatch_max,
+            "rollout_ratio_weight": s[7].item() / tokens,  # 1.0 unless train.rollout_ratio_cap weights the tokens
             "grad_norm": grad_norm,
             "lr": lr,
             "trained_tokens": s[2].item(),

@@ -63,6 +63,8 @@ EXPORTED = {
     "eval_why_first_try_toward": "share of held-out moves tried (not repeats) along a shortest path",
     "eval_why_first_try_open_room": "the same as first_try_open, made from rooms only: seeing walls, not positions",
     "train_logprob_mismatch_max": "max |trainer - rollout| logprob on sampled tokens",
+    "train_rollout_ratio_weight": "mean weight min(pi_before_update / pi_that_played, train.rollout_ratio_cap) of "
+    "trained tokens (1 without the cap)",
     "rollout_mfu": "the rollout phase's FLOP utilisation: 2*N per context token and 2*N_vision per picture patch, "
     "over its time and the GPUs' peak (metrics.peak_tflops)",
     "train_mfu": "the train phase's FLOP utilisation: 4*N per forward token (6*N with gradient checkpointing), over "

@@ -123,3 +123,15 @@ def test_entropy_bonus_by_hand_and_its_gradient_spreads_the_distribution():
     assert torch.all(grad[1] == 0)
     without = policy_loss(logp.detach(), logp.detach(), zero, mask, 0.2, 0.2, 1.0, entropy=entropy.detach())
     assert without.loss.item() == 0.0  # coefficient 0 (the default): no bonus
+
+
+def test_the_rollout_ratio_weights_each_tokens_surrogate_and_its_gradient():
+    """Decoupled PPO: the surrogate (clipped around the policy before the update) times the truncated ratio of that
+    policy to the one that played the token, a constant of the graph."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    adv = torch.tensor([[2.0, 2.0, -1.0]])
+    weight = torch.tensor([[1.0, 2.0, 0.5]])
+    terms = policy_loss(logp, logp.detach(), adv, torch.ones(1, 3), 0.2, 0.2, 3, behaviour_weight=weight)
+    assert terms.pg_loss.item() == pytest.approx(-(2.0 * 1.0 + 2.0 * 2.0 - 1.0 * 0.5))
+    terms.loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-2 / 3, -4 / 3, 0.5 / 3])

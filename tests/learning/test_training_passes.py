@@ -110,6 +110,32 @@ def test_entropy_bonus_keeps_the_policy_more_spread_than_the_same_step_without_i
     assert bonus > plain  # the same step, the same batch: with the bonus the policy stays more spread
 
 
+def test_a_batch_played_by_another_policy_trains_weighted_by_its_truncated_ratio(tiny_model_dir, batch):
+    """train.rollout_ratio_cap: each trained token's loss times min(pi_before / pi_played, cap). Played by these very
+    weights, the ratio is 1 and the step is the plain one; played by a policy 4x less likely to pick each sampled
+    token (as an older adapter may be), the weight is the cap, 2, and the first pass's gradient doubles."""
+    import math
+
+    import numpy as np
+
+    def played_by_another(t):
+        shifted = [
+            dataclasses.replace(s, rollout_logprobs=(s.rollout_logprobs - math.log(4) * s.loss_mask).astype(np.float32))
+            for s in t.sequences
+        ]
+        return dataclasses.replace(t, sequences=shifted)
+
+    plain = train_once(tiny_model_dir, batch, "train.lr=1e-6")
+    same = train_once(tiny_model_dir, batch, "train.lr=1e-6", "train.rollout_ratio_cap=2")
+    other = train_once(
+        tiny_model_dir, [played_by_another(t) for t in batch], "train.lr=1e-6", "train.rollout_ratio_cap=2"
+    )
+    assert plain["rollout_ratio_weight"] == 1.0 and same["rollout_ratio_weight"] == pytest.approx(1.0, abs=1e-3)
+    assert same["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-3)
+    assert other["rollout_ratio_weight"] == pytest.approx(2.0)
+    assert other["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-3)
+
+
 def test_entropy_coef_must_not_be_negative():
     from app.config import ConfigError
 
