@@ -170,6 +170,13 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             "the engines play the next step's episodes while the trainers train, so they never sleep",
             "set rollout.sleep_level=0 rollout.keep_weights=false, or rollout.play_ahead=false",
         )
+    if r.play_ahead and t.rollout_ratio_cap <= 0:
+        raise ConfigError(
+            "rollout.play_ahead",
+            "each batch it trains was played by the adapter one version older, and without the correction for that "
+            "the policy can collapse (the default job's fell from 64% to 0% held-out)",
+            "set train.rollout_ratio_cap=2, or rollout.play_ahead=false",
+        )
     if r.keep_weights and r.sleep_level == 0:
         raise ConfigError(
             "rollout.keep_weights", "it chooses what sleep frees, and sleep_level 0 never sleeps", "set sleep_level=1"

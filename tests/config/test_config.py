@@ -154,6 +154,14 @@ BAD = [
     ),
     ("play-ahead-sleeping", None, ["rollout.play_ahead=true"], "rollout.play_ahead", "sleep_level=0", False),
     (
+        "play-ahead-uncorrected",
+        None,
+        ["rollout.play_ahead=true", "rollout.sleep_level=0"],
+        "rollout.play_ahead",
+        "rollout_ratio_cap",
+        False,
+    ),
+    (
         "play-ahead-keeping-weights",
         None,
         ["rollout.play_ahead=true", "rollout.sleep_level=0", "rollout.keep_weights=true"],
@@ -459,7 +467,7 @@ def test_override_with_empty_key_names_something() -> None:
         ["checkpoint.s3_uri=s3://bucket", "checkpoint.s3_uri=s3://bucket/a/b"],
         ["checkpoint.resume_mode=none", "checkpoint.resume_path=/nowhere"],
         ["run_name=my-run_2"],
-        ["rollout.play_ahead=true", "rollout.sleep_level=0"],
+        ["rollout.play_ahead=true", "rollout.sleep_level=0", "train.rollout_ratio_cap=2"],
     ],
     ids=[
         "drgrpo-one-sample",

@@ -328,6 +328,7 @@ def test_playing_ahead_trains_each_batch_one_version_after_the_adapter_that_play
 
     overrides = ["train.max_steps=3", "eval.at_start=false", "eval.eval_interval=0", "checkpoint.hf_save_interval=0"]
     overrides += ["checkpoint.ckpt_interval=2", "rollout.play_ahead=true", "rollout.sleep_level=0"]
+    overrides += ["train.rollout_ratio_cap=2"]
     watcher = kill_rollout_after(tmp_path / "tiny", 2)
     assert run_main(tmp_path, *overrides) == 0
     watcher.join(timeout=1)
