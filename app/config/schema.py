@@ -120,8 +120,9 @@ class RolloutConfig:
     )
     play_ahead: bool = knob(
         False,
-        "play step k+1's episodes while step k trains (needs sleep_level 0): each batch from the second step on "
-        "was played by the adapter one version older than the one it trains, and a step takes about its longer phase",
+        "play step k+1's episodes while step k trains (needs sleep_level 0, train.rollout_ratio_cap): each batch "
+        "from the second step on was played by the adapter one version older than the one it trains, and a step "
+        "takes about its longer phase",
     )
 
 
