@@ -85,6 +85,68 @@ def sample_this_process(raw_path: str) -> subprocess.Popen:
     return sampler
 
 
+def play_round(engine, requests, settings, seed: int) -> tuple[float, int, float | None]:
+    """One round of the workload: seconds, generated tokens, the GPU's busy share."""
+    with GpuBusy() as busy:
+        t = time.perf_counter()
+        played = play_episodes(engine, engine.codec, requests, settings, Sampling(16, 1.0, seed=seed))
+        seconds = time.perf_counter() - t
+    return seconds, sum(x.num_generated_tokens for x in played), busy.share
+
+
+def count_prompt_tokens(engine) -> dict:
+    """Counts, from here on, the prompt tokens of every lockstep generate call and those vLLM found cached."""
+    counts = {"prompt": 0, "cached": 0}
+    generate = engine.llm.generate
+
+    def counted(*args, **kwargs):
+        outputs = generate(*args, **kwargs)
+        for out in outputs:
+            counts["prompt"] += len(out.prompt_token_ids)
+            counts["cached"] += out.num_cached_tokens or 0
+        return outputs
+
+    engine.llm.generate = counted
+    return counts
+
+
+# GPU kernels by kind, from words in their names (FlashAttention, cuBLAS/CUTLASS GEMMs, vLLM's Triton LoRA kernels)
+KERNEL_KINDS = (
+    ("lora", ("lora", "sgmv", "bgmv", "punica")),
+    ("attention", ("flash", "fmha", "attn", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "cublas")),
+    ("norm/activation", ("rms", "norm", "silu", "act_and_mul", "rotary")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in low for w in words)), "other")
+
+
+def kernel_times(engine, requests, settings, path: str) -> dict:
+    """One round under torch.profiler: the GPU's kernel time by kind and the 25 longest kernels, written to path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()  # on a CPU, the operators' own time: a check of the script, not of kernels
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        seconds, _, _ = play_round(engine, requests, settings, 7)
+    own = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
+    kernels = [(e.key, own(e) / 1e6, e.count) for e in prof.key_averages() if own(e) > 0]
+    kinds: dict[str, float] = {}
+    for name, s, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + s
+    top = sorted(kernels, key=lambda k: -k[1])[:25]
+    summary = {
+        "round_s": round(seconds, 2),
+        "gpu_kernel_s": round(sum(kinds.values()), 3),
+        "by_kind_s": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top": [{"name": n[:160], "s": round(s, 4), "count": c, "kind": kernel_kind(n)} for n, s, c in top],
+    }
+    Path(path).write_text(json.dumps(summary, indent=1))
+    return {k: summary[k] for k in ("round_s", "gpu_kernel_s", "by_kind_s")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a Qwen3-VL folder (scripts/make_model.py --shape 8b); none: the tiny model")
@@ -100,6 +162,8 @@ def main() -> None:
     ap.add_argument("--max-turns", type=int, default=13)
     ap.add_argument("--json", help="append the result here")
     ap.add_argument("--py-spy", metavar="RAW", help="py-spy samples of the rounds (this process and the engine core)")
+    ap.add_argument("--without-lora", action="store_true", help="the rounds again with no adapter in the requests")
+    ap.add_argument("--kernels", metavar="JSON", help="one more round under torch.profiler: GPU time by kernel kind")
     args = ap.parse_args()
 
     gpu = torch.cuda.is_available()
@@ -107,6 +171,8 @@ def main() -> None:
     lora = LoraSettings(rank=32, alpha=64) if args.model else LoraSettings(rank=8, alpha=16)
     if args.tower:
         lora.modules_to_save = ["visual"]
+    if args.kernels and args.engine_process:
+        ap.error("--kernels profiles this process's CUDA work: the engine core must run in it (no --engine-process)")
     start = time.perf_counter()
     engine = VLLMEngine(
         model_dir,
@@ -169,14 +235,11 @@ def main() -> None:
     result["held_equal_after"] = held_as_sent()
     result["same_after_sleeps"] = probe() == before
     play_episodes(engine, engine.codec, requests[:16], settings, Sampling(16, 1.0, seed=99))  # warm-up
+    prompts = count_prompt_tokens(engine) if args.schedule == "lockstep" else None
     rounds = []
     sampler = sample_this_process(args.py_spy) if args.py_spy else None
     for r in range(args.rounds):
-        with GpuBusy() as busy:
-            t = time.perf_counter()
-            played = play_episodes(engine, engine.codec, requests, settings, Sampling(16, 1.0, seed=r))
-            seconds = time.perf_counter() - t
-        rounds.append((seconds, sum(x.num_generated_tokens for x in played), busy.share))
+        rounds.append(play_round(engine, requests, settings, r))
     if sampler is not None:
         sampler.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
         sampler.wait(timeout=120)
@@ -186,6 +249,20 @@ def main() -> None:
         generated_tokens=[n for _, n, _ in rounds],
         gpu_busy=[b for _, _, b in rounds],
     )
+    if prompts is not None:  # how much of each prompt vLLM's prefix cache already held
+        result.update(prompt_tokens=prompts["prompt"], prefix_cached_tokens=prompts["cached"])
+    if args.without_lora:
+        adapter = engine._lora_request  # the bench plays the same engine both ways; the product always sets one
+        engine._lora_request = None
+        bare = [play_round(engine, requests, settings, r) for r in range(args.rounds)]
+        engine._lora_request = adapter
+        result.update(
+            rollout_without_lora_s=round(statistics.median(s for s, _, _ in bare), 2),
+            rollout_without_lora_rounds_s=[round(s, 2) for s, _, _ in bare],
+            gpu_busy_without_lora=[b for _, _, b in bare],
+        )
+    if args.kernels:
+        result["kernels"] = kernel_times(engine, requests, settings, args.kernels)
     engine.shutdown()
     print(json.dumps(result), flush=True)
     if args.json:
