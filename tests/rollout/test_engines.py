@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -292,3 +295,14 @@ def test_engine_stats_and_versions(hf_engine, vllm_engine):
         stats = engine.stats()
         assert stats["lora_version"] == engine.lora_version
         assert stats["generate_calls"] > 0 and stats["generated_tokens"] > 0
+
+
+def test_processes_that_make_no_transformers_engine_start_without_peft_or_vllm():
+    """The evaluator and a rollout actor import their modules at every start: PEFT (~4 s of CPU) comes only with the
+    transformers engine and vLLM (~15 s) only with the vLLM engine, when make_engine makes one."""
+    probe = (
+        "import sys, actors.evaluator, actors.rollout; print(sorted(m for m in ('peft', 'vllm') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -1,11 +1,13 @@
-"""Generation engines behind one interface (`base.Engine`): vLLM, and transformers."""
+"""Generation engines behind one interface (`base.Engine`): vLLM, and transformers.
+
+Each engine's module is imported when one is made: the vLLM engine brings vLLM (~15 s of CPU to import) and the
+transformers engine brings PEFT (~4 s), so a process that only names `Sampling` (the driver, the evaluator) starts
+without either, and a rollout actor imports only its own engine's library."""
 
 from __future__ import annotations
 
 from app.config import Config
 from app.rollout.engines.base import Engine, Generation, Prompt, Sampling
-from app.rollout.engines.hf import HFEngine
-from app.rollout.engines.vllm import VLLMEngine
 
 __all__ = ["Engine", "Generation", "Prompt", "Sampling", "make_engine", "max_images_per_prompt"]
 
@@ -21,6 +23,8 @@ def make_engine(cfg: Config, model_dir: str, device: str = "cpu", index: int = 0
     """The engine the config asks for, on this process's device; index: the rollout actor's, which offsets the
     engine's own seed (the one a CPU engine samples with), so that actors do not draw the same random numbers."""
     if cfg.rollout.engine == "vllm":
+        from app.rollout.engines.vllm import VLLMEngine
+
         return VLLMEngine(
             model_dir,
             cfg.lora,
@@ -36,5 +40,6 @@ def make_engine(cfg: Config, model_dir: str, device: str = "cpu", index: int = 0
             schedule=cfg.rollout.schedule,
             engine_process=cfg.rollout.engine_process,
         )
+    from app.rollout.engines.hf import HFEngine
 
     return HFEngine(model_dir, cfg.lora, dtype=cfg.model.dtype, device=device)
