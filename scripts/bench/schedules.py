@@ -196,6 +196,7 @@ def main() -> None:
         "keep_weights": args.keep_weights,
         "tower": args.tower,
         "bad_words": not args.logits_processor,
+        "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1",
         "engine_start_s": round(time.perf_counter() - start, 1),
     }
     dtype = torch.bfloat16 if gpu else torch.float32
