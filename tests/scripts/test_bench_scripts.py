@@ -154,3 +154,43 @@ def test_vllm_front_end_bench_times_vllms_scans_against_ours():
     rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[2:]}
     assert set(rows) == {"_iter_placeholders", "iter_token_matches"} and "a prompt of 383 tokens" in done.stdout
     assert all(float(v) > 0 for values in rows.values() for v in values)
+
+
+def test_lora_kernel_tables_are_read_back_by_vllm_for_each_shape(tmp_path, monkeypatch):
+    """scripts/bench/lora_kernels.py writes its fastest configurations in vLLM's tuned-config format: vLLM's own
+    lookup (the CPU build's, the same function) finds each shape's entry for the GPU named, the expand's under the
+    engine's add-into-the-output form."""
+    import torch
+    import vllm.envs
+    from vllm.lora.ops.triton_ops import utils
+
+    from scripts.bench.lora_kernels import SHAPE_8B, candidates, projections, write_tables
+
+    shapes = projections(SHAPE_8B)
+    assert shapes["qkv"] == (4096, [4096, 1024, 1024]) and shapes["down"] == (12288, [4096])
+    shrink, expand = candidates("shrink", quick=True), candidates("expand", quick=True)
+    assert len(shrink) == 96 and len(expand) == 24 and all("split_k" in c for c in shrink)
+    best = {
+        ("shrink", 3, 64, 4096, 32): shrink[5],
+        ("shrink", 1, 64, 4096, 32): shrink[6],  # o: the same slices as down, told apart by the input size
+        ("shrink", 1, 64, 12288, 32): shrink[7],
+        ("expand", 2, 64, 32, 12288): expand[3],
+    }
+    written = write_tables(tmp_path, "NVIDIA H100 80GB HBM3", best)
+    assert sorted(p.name for p in written) == [
+        "NVIDIA_H100_80GB_HBM3_EXPAND_TRUE.json",
+        "NVIDIA_H100_80GB_HBM3_SHRINK.json",
+    ]
+
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    vllm.envs.disable_envs_cache()
+    utils.load_lora_op_config.cache_clear()
+    try:
+        lookup = utils.get_lora_op_configs
+        assert lookup("shrink", max_loras=2, batch=64, hidden_size=4096, rank=32, num_slices=3) == shrink[5]
+        assert lookup("shrink", max_loras=2, batch=60, hidden_size=12288, rank=32, num_slices=1) == shrink[7]
+        assert lookup("shrink", max_loras=2, batch=3200, hidden_size=4096, rank=32, num_slices=1) == shrink[6]
+        assert lookup("expand", 2, 64, hidden_size=12288, rank=32, num_slices=2, add_inputs=True) == expand[3]
+    finally:
+        utils.load_lora_op_config.cache_clear()
