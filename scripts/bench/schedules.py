@@ -164,6 +164,8 @@ def main() -> None:
     ap.add_argument("--py-spy", metavar="RAW", help="py-spy samples of the rounds (this process and the engine core)")
     ap.add_argument("--without-lora", action="store_true", help="the rounds again with no adapter in the requests")
     ap.add_argument("--kernels", metavar="JSON", help="one more round under torch.profiler: GPU time by kernel kind")
+    ap.add_argument("--lora-dual-stream", action="store_true", help="VLLM_LORA_ENABLE_DUAL_STREAM: the adapter beside")
+    ap.add_argument("--lora-configs", metavar="DIR", help="VLLM_TUNED_CONFIG_FOLDER (scripts/bench/lora_kernels.py's)")
     args = ap.parse_args()
 
     gpu = torch.cuda.is_available()
@@ -171,6 +173,10 @@ def main() -> None:
     lora = LoraSettings(rank=32, alpha=64) if args.model else LoraSettings(rank=8, alpha=16)
     if args.tower:
         lora.modules_to_save = ["visual"]
+    if args.lora_dual_stream:  # vLLM reads both when the engine starts (its engine core inherits them)
+        os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
+    if args.lora_configs:
+        os.environ["VLLM_TUNED_CONFIG_FOLDER"] = str(Path(args.lora_configs).resolve())
     if args.kernels and args.engine_process:
         ap.error("--kernels profiles this process's CUDA work: the engine core must run in it (no --engine-process)")
     start = time.perf_counter()
@@ -197,6 +203,7 @@ def main() -> None:
         "tower": args.tower,
         "bad_words": not args.logits_processor,
         "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1",
+        "lora_configs": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"),
         "engine_start_s": round(time.perf_counter() - start, 1),
     }
     dtype = torch.bfloat16 if gpu else torch.float32
