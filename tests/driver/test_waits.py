@@ -84,6 +84,8 @@ def test_past_its_bound_a_wait_is_a_stall_that_names_who_did_not_answer(ray_clus
     seen = []
     waits = Waits(WaitConfig(phase_s=3, report_every_s=1), on_stall=seen.append)
     answered, stuck = sleep_then.remote(0.0, 1), sleep_then.remote(60)
+    # the first report must find one answer in: on a busy machine a task's worker can take over a second to start
+    assert ray.wait([answered], timeout=60)[0] == [answered]
     start = time.monotonic()
     with caplog.at_level(logging.INFO, logger="mazerl.waits"), pytest.raises(Stall) as caught:
         waits.gather([answered, stuck], "rollout", ["rollout-0 on node a", "rollout-1 on node b"])
