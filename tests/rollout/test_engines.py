@@ -298,8 +298,8 @@ def test_engine_stats_and_versions(hf_engine, vllm_engine):
 
 
 def test_processes_that_make_no_transformers_engine_start_without_peft_or_vllm():
-    """The evaluator and a rollout actor import their modules at every start: PEFT (~4 s of CPU) comes only with the
-    transformers engine and vLLM (~15 s) only with the vLLM engine, when make_engine makes one."""
+    """The evaluator and a rollout actor import their modules at every start: PEFT comes only with the transformers
+    engine and vLLM only with the vLLM engine, when make_engine makes one."""
     probe = (
         "import sys, actors.evaluator, actors.rollout; print(sorted(m for m in ('peft', 'vllm') if m in sys.modules))"
     )
