@@ -150,8 +150,9 @@ def main() -> None:
     text = json.loads((Path(args.model) / "config.json").read_text())["text_config"] if args.model else SHAPE_8B
     gpu = torch.cuda.get_device_name()
     best, rows, start = {}, [], time.perf_counter()
-    for (name, (in_size, outs)), m, op in itertools.product(
-        projections(text).items(), [int(t) for t in args.tokens.split(",")], ["shrink", "expand"]
+    # the decode batch first: its passes are most of a round's, so a run stopped early keeps what matters most
+    for m, (name, (in_size, outs)), op in itertools.product(
+        [int(t) for t in args.tokens.split(",")], projections(text).items(), ["shrink", "expand"]
     ):
         call, (slices, mm, k, n) = kernel_calls(op, in_size, outs, m, args.rank)
         default_us = graph_time_us(call(None))
@@ -167,8 +168,8 @@ def main() -> None:
         row = dict(op=op, module=name, m=m, slices=slices, k=k, n=n, default_us=round(default_us, 2))
         rows.append({**row, "best_us": round(best_us, 2), "best": fastest or "default"})
         print(json.dumps(rows[-1]), flush=True)
-    written = write_tables(out / "lora_configs", gpu, best)
-    (out / "lora_kernels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        written = write_tables(out / "lora_configs", gpu, best)  # after every shape: a stopped run keeps its tables
+        (out / "lora_kernels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # a round of the loop's workload: per projection group and pass one shrink and one expand, 36 layers
     layers = text.get("num_hidden_layers", 36)
     passes = {int(t): (195 if i == 0 else 13) for i, t in enumerate(args.tokens.split(","))}  # decode, then prefill
