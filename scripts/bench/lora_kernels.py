@@ -11,7 +11,8 @@ format: a folder to point `VLLM_TUNED_CONFIG_FOLDER` at (`{GPU}_SHRINK.json`, `{
     python scripts/bench/lora_kernels.py OUT [--model DIR] [--rank 32] [--tokens 64,3200] [--quick]
 
 Prints a table (default and best microseconds a call per shape) and, from the calls a round of the loop's workload
-makes (13 turns of 16 tokens: one prefill pass and 15 decode passes a turn), the round's LoRA time each way.
+makes (13 turns of 16 tokens: one prefill pass and 15 decode passes a turn), the round's LoRA time each way, and
+vLLM's default configuration with the grid over the active adapter only (`specialize_active_lora`).
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def graph_time_us(fn, calls: int = 20, replays: int = 10) -> float:
     return start.elapsed_time(end) * 1000 / (calls * replays)
 
 
-def kernel_calls(op: str, in_size: int, outs: list[int], m: int, rank: int):
-    """(call with a given configuration or None for vLLM's default, (slices, m, k, n) as vLLM keys it)."""
+def kernel_calls(op: str, in_size: int, outs: list[int], m: int, rank: int, specialize: bool = False):
+    """(call with a given configuration or None for vLLM's default, (slices, m, k, n) as vLLM keys it).
+    specialize: the grid over the active adapters only (vLLM's `specialize_active_lora`), not over max_loras + 1."""
     import vllm.lora.ops.triton_ops.lora_expand_op as expand_op
     import vllm.lora.ops.triton_ops.lora_shrink_op as shrink_op
     from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
@@ -112,7 +114,7 @@ def kernel_calls(op: str, in_size: int, outs: list[int], m: int, rank: int):
     dev, dtype = "cuda", torch.bfloat16
     meta = LoRAKernelMeta.make(MAX_LORAS, m, dev)
     meta.prepare_tensors(torch.zeros(m, dtype=torch.int64, device=dev))  # every token plays the adapter
-    args = meta.meta_args(m, specialize_active_lora=False)
+    args = meta.meta_args(m, specialize_active_lora=specialize)
     x = torch.randn(m, in_size, device=dev, dtype=dtype)
     a = [torch.randn(MAX_LORAS, 1, rank, in_size, device=dev, dtype=dtype) * 0.01 for _ in outs]
     b = [torch.randn(MAX_LORAS, 1, n, rank, device=dev, dtype=dtype) * 0.01 for n in outs]
@@ -156,6 +158,7 @@ def main() -> None:
     ):
         call, (slices, mm, k, n) = kernel_calls(op, in_size, outs, m, args.rank)
         default_us = graph_time_us(call(None))
+        specialized_us = graph_time_us(kernel_calls(op, in_size, outs, m, args.rank, specialize=True)[0](None))
         timed = [(default_us, None)]  # None: vLLM's default stays unless a candidate beats it
         for config in candidates(op, args.quick):
             try:
@@ -166,6 +169,7 @@ def main() -> None:
         if fastest is not None:
             best[(op, slices, mm, k, n)] = fastest
         row = dict(op=op, module=name, m=m, slices=slices, k=k, n=n, default_us=round(default_us, 2))
+        row["default_specialized_us"] = round(specialized_us, 2)
         rows.append({**row, "best_us": round(best_us, 2), "best": fastest or "default"})
         print(json.dumps(rows[-1]), flush=True)
         written = write_tables(out / "lora_configs", gpu, best)  # after every shape: a stopped run keeps its tables
@@ -175,11 +179,16 @@ def main() -> None:
     passes = {int(t): (195 if i == 0 else 13) for i, t in enumerate(args.tokens.split(","))}  # decode, then prefill
     round_default = sum(r["default_us"] * passes[r["m"]] * layers for r in rows) / 1e6
     round_best = sum(r["best_us"] * passes[r["m"]] * layers for r in rows) / 1e6
-    print(f"{'op':7} {'module':8} {'m':>5} {'default us':>11} {'best us':>9}")
+    round_specialized = sum(r["default_specialized_us"] * passes[r["m"]] * layers for r in rows) / 1e6
+    print(f"{'op':7} {'module':8} {'m':>5} {'default us':>11} {'specialized':>11} {'best us':>9}")
     for r in rows:
-        print(f"{r['op']:7} {r['module']:8} {r['m']:5d} {r['default_us']:11.2f} {r['best_us']:9.2f}")
+        print(
+            f"{r['op']:7} {r['module']:8} {r['m']:5d} {r['default_us']:11.2f} {r['default_specialized_us']:11.2f} "
+            f"{r['best_us']:9.2f}"
+        )
     print(
-        f"{gpu}: a round's LoRA kernels {round_default:.3f} s by default, {round_best:.3f} s tuned "
+        f"{gpu}: a round's LoRA kernels {round_default:.3f} s by default, {round_specialized:.3f} s with the grid "
+        f"over the active adapter only, {round_best:.3f} s tuned "
         f"({len(written)} files in {out / 'lora_configs'}; {time.perf_counter() - start:.0f} s)"
     )
 
