@@ -56,6 +56,12 @@ def check_sampled_policy_is_trained(cfg: Config) -> None:
 def check_combinations(cfg: Config, check_paths: bool = True) -> None:
     """Checks that involve several fields, the environment, or the file system."""
     m, r, t, p, c = cfg.model, cfg.rollout, cfg.train, cfg.placement, cfg.checkpoint
+    if m.checkpointed_layers < 1.0 and not m.gradient_checkpointing:
+        raise ConfigError(
+            "model.checkpointed_layers",
+            f"it is {m.checkpointed_layers:g}, but model.gradient_checkpointing is off (no layer is recomputed)",
+            "set model.gradient_checkpointing=true, or leave model.checkpointed_layers out",
+        )
     if set(cfg.lora.modules_to_save) - {"visual", "language_model"}:
         raise ConfigError(
             "lora.modules_to_save",

@@ -40,6 +40,13 @@ class ModelConfig:
     adapter_init: str | None = knob(None, "PEFT adapter folder to start the policy from (the SFT warm start)")
     dtype: Literal["float32", "bfloat16"] = knob("float32", "weights and compute dtype")
     gradient_checkpointing: bool = knob(False, "recompute activations in the backward pass to save memory")
+    checkpointed_layers: float = knob(
+        1.0,
+        "with gradient_checkpointing, the share of decoder layers recomputed in the backward pass; the others keep "
+        "their activations (a faster step for more memory)",
+        ge=0.0,
+        le=1.0,
+    )
     compile_layers: bool = knob(
         False, "the trainer's decoder layers compiled by torch.compile: fused elementwise kernels, ~1 min at start"
     )

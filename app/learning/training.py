@@ -30,7 +30,7 @@ from app.learning.speedups.picture_cache import PictureCache
 from app.learning.speedups.vision_cache import VisionCache
 from app.learning.step_advantages import advantages_for
 from app.learning.trust_region import bounded_step
-from app.model import adapters
+from app.model import adapters, load
 from app.model.load import apply_lora, load_model, load_processor, train_whole_modules, train_without_dropout
 from app.rollout.encoding import ChatCodec
 from app.rollout.trajectory import Trajectory
@@ -50,8 +50,7 @@ class PolicyTrainer:
         base = load_model(model_dir, cfg.model.dtype, self.device)
         self.spec = adapters.AdapterSpec.for_model(base.config.text_config, cfg.lora, base.config.vision_config)
         if cfg.model.gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            base.enable_input_require_grads()
+            load.checkpoint_decoder_layers(base, cfg.model.checkpointed_layers)
         torch.manual_seed(cfg.train.seed)  # every rank must initialise the same LoRA before sharding
         self.model = apply_lora(base, cfg.lora, cfg.model.adapter_init)
         train_without_dropout(self.model)

@@ -168,6 +168,19 @@ def lora_state_dict(peft_model) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
 
 
+def checkpoint_decoder_layers(model, share: float = 1.0) -> int:
+    """Gradient checkpointing for the first `share` of the language model's decoder layers (rounded; the vision
+    tower's blocks are all checkpointed); the later layers keep their activations for the backward pass, which then
+    recomputes fewer forwards. Returns how many decoder layers are checkpointed."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    layers = model.model.language_model.layers
+    checkpointed = round(share * len(layers))
+    for layer in layers[checkpointed:]:
+        layer.gradient_checkpointing = False  # transformers' GradientCheckpointingLayer reads it at every call
+    return checkpointed
+
+
 def train_without_dropout(model) -> int:
     """Training mode (transformers checkpoints activations only in it) with every dropout at 0: the engines sample
     without dropout, so the policy the trainer scores and trains must not drop anything either. Returns how many

@@ -4,10 +4,11 @@ The work a phase must do, counted as matrix FLOPs: the rollout processes every c
 keeps a turn from recomputing the turns before it) at 2·N for the language model, and every picture's patches at
 2·N_vision for the vision tower; the train phase runs a forward and a backward over every forward token: 4·N a
 token (the backward's activation gradients; LoRA's own weight gradients are negligible), 6·N with gradient
-checkpointing (the forward again in the backward). N counts the language model's matmul weights (its layers and
-the output head, not the embedding table). Divided by the phase's time and the GPUs' peak (metrics.peak_tflops, or
-the GPU's known bf16 dense peak), it is the phase's MFU; the work divided by the peak is the phase's floor, the
-time it could take at best. On a CPU there is no peak: the FLOPs are reported, the utilisation not.
+checkpointing (the forward again in the backward), 4·N + 2·N·s where only a share s of the layers is checkpointed.
+N counts the language model's matmul weights (its layers and the output head, not the embedding table). Divided
+by the phase's time and the GPUs' peak (metrics.peak_tflops, or the GPU's known bf16 dense peak), it is the phase's
+MFU; the work divided by the peak is the phase's floor, the time it could take at best. On a CPU there is no
+peak: the FLOPs are reported, the utilisation not.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class ModelFlops:
     def rollout(self, context_tokens: float, images: float) -> float:
         return 2.0 * self.text_params * context_tokens + 2.0 * self.vision_params * self.patches_per_image * images
 
-    def train(self, forward_tokens: float, checkpointing: bool) -> float:
-        return (6.0 if checkpointing else 4.0) * self.text_params * forward_tokens
+    def train(self, forward_tokens: float, recomputed: float) -> float:
+        """recomputed: the share of the layers whose forward the backward pass computes again (checkpointing)."""
+        return (4.0 + 2.0 * float(recomputed)) * self.text_params * forward_tokens
 
 
 def phase_efficiency(phase: str, flops: float, seconds: float, gpus: float, peak: float) -> dict:
@@ -74,13 +76,13 @@ def phase_efficiency(phase: str, flops: float, seconds: float, gpus: float, peak
     return out
 
 
-def step_efficiency(metrics: dict, flops: ModelFlops, gpus: float, peak: float, checkpointing: bool) -> dict:
+def step_efficiency(metrics: dict, flops: ModelFlops, gpus: float, peak: float, recomputed: float) -> dict:
     """A step's efficiency metrics from its own metrics (rollout context tokens and pictures, train tokens)."""
     out = {}
     if "rollout_context_tokens" in metrics:
         work = flops.rollout(metrics["rollout_context_tokens"], metrics.get("rollout_images", 0.0))
         out.update(phase_efficiency("rollout", work, metrics.get("time_rollout_s", 0.0), gpus, peak))
     if "train_forward_tokens" in metrics:
-        work = flops.train(metrics["train_forward_tokens"], checkpointing)
+        work = flops.train(metrics["train_forward_tokens"], recomputed)
         out.update(phase_efficiency("train", work, metrics.get("time_train_s", 0.0), gpus, peak))
     return out

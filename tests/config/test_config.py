@@ -137,6 +137,14 @@ BAD = [
     ("glob-in-output-dir", None, ["rollout.engine=vllm", "output_dir=/tmp/run[1]"], "output_dir", "glob", False),
     ("glob-in-model-path", None, ["rollout.engine=vllm", "model.path=/m/qwen*"], "model.path", "glob", False),
     (
+        "checkpointed-share-without-checkpointing",
+        None,
+        ["model.checkpointed_layers=0.5"],
+        "model.checkpointed_layers",
+        "gradient_checkpointing is off",
+        False,
+    ),
+    (
         "tower-rate-without-tower",
         None,
         ["lora.tower_lr_scale=0.5"],

@@ -60,13 +60,34 @@ def test_gradient_checkpointing_recomputes_the_decoder_layers_in_the_backward(ti
     assert metrics["grad_norm"] > 0
 
 
-def test_checkpointing_changes_no_log_probability_or_gradient(tiny_model_dir, batch):
+def test_a_share_of_the_layers_checkpointed_recomputes_only_those(tiny_model_dir, batch):
+    """model.checkpointed_layers=0.5 on the 2-layer tiny model: the first decoder layer is recomputed in the backward,
+    the second keeps its activations (one forward, not two)."""
+    from app.learning.training import PolicyTrainer
+
+    overrides = ("model.gradient_checkpointing=true", "model.checkpointed_layers=0.5", "train.micro_batch=8")
+    trainer = PolicyTrainer(tiny_config(*overrides), tiny_model_dir)
+    layers = trainer.model.base_model.model.model.language_model.layers
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    forwards = [0] * len(layers)
+    for i, layer in enumerate(layers):  # a pre-hook: torch stops a recomputation once it has what the backward needs
+        layer.register_forward_pre_hook(lambda *_, i=i: forwards.__setitem__(i, forwards[i] + 1))
+    logp, _, mask, _ = trainer.token_logprobs(items_of(batch), with_grad=True)
+    counted_in_forward = list(forwards)
+    (-(logp * mask).sum()).backward()
+    assert counted_in_forward[0] == counted_in_forward[1] > 0
+    assert forwards == [2 * counted_in_forward[0], counted_in_forward[1]], forwards
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_checkpointing_changes_no_log_probability_or_gradient(tiny_model_dir, batch, share):
     from app.learning.training import PolicyTrainer
 
     items = items_of(batch)
     results = []
     for on in (False, True):
-        trainer = PolicyTrainer(tiny_config(f"model.gradient_checkpointing={str(on).lower()}"), tiny_model_dir)
+        overrides = [f"model.gradient_checkpointing={str(on).lower()}"] + [f"model.checkpointed_layers={share}"] * on
+        trainer = PolicyTrainer(tiny_config(*overrides), tiny_model_dir)
         logp, _, mask, _ = trainer.token_logprobs(items, with_grad=True)
         (-(logp * mask).sum()).backward()
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}

@@ -23,8 +23,9 @@ def test_parameters_are_counted_from_the_config_without_weights(tiny_model_dir):
 def test_the_work_of_a_phase():
     flops = ModelFlops(text_params=1_000, vision_params=100, patches_per_image=16)
     assert flops.rollout(context_tokens=50, images=3) == 2 * 1_000 * 50 + 2 * 100 * 16 * 3
-    assert flops.train(forward_tokens=50, checkpointing=False) == 4 * 1_000 * 50
-    assert flops.train(forward_tokens=50, checkpointing=True) == 6 * 1_000 * 50
+    assert flops.train(forward_tokens=50, recomputed=0.0) == 4 * 1_000 * 50
+    assert flops.train(forward_tokens=50, recomputed=1.0) == 6 * 1_000 * 50
+    assert flops.train(forward_tokens=50, recomputed=0.25) == 4.5 * 1_000 * 50  # a quarter of the layers again
 
 
 def test_utilisation_and_floor_need_a_peak():
@@ -44,7 +45,7 @@ def test_a_step_reports_both_phases_and_the_console_shows_them(tmp_path, capsys)
         "train_forward_tokens": 120_000,
         "time_train_s": 15.0,
     }
-    out = step_efficiency(metrics, flops, gpus=1, peak=989, checkpointing=True)
+    out = step_efficiency(metrics, flops, gpus=1, peak=989, recomputed=1.0)
     assert out["train_mfu"] == pytest.approx(6 * 8e9 * 120_000 / 989e12 / 15.0)
     assert out["rollout_floor_s"] == pytest.approx((2 * 8e9 * 150_000 + 2 * 6e8 * 100 * 900) / 989e12)
     sink = MetricsSink(tmp_path, "run", 10, prometheus=False, progress_bar=False)
