@@ -60,15 +60,16 @@ def test_gradient_checkpointing_recomputes_the_decoder_layers_in_the_backward(ti
     assert metrics["grad_norm"] > 0
 
 
-def test_a_share_of_the_layers_checkpointed_recomputes_only_those(tiny_model_dir, batch):
-    """model.checkpointed_layers=0.5 on the 2-layer tiny model: the first decoder layer is recomputed in the backward,
-    the second keeps its activations (one forward, not two)."""
+@pytest.mark.parametrize(("share", "recomputed"), [(1.0, [True, True]), (0.5, [True, False]), (0.0, [False, False])])
+def test_a_share_of_the_layers_checkpointed_recomputes_only_those(tiny_model_dir, batch, share, recomputed):
+    """model.checkpointed_layers on the 2-layer tiny model: the checkpointed decoder layers run their forward again
+    in the backward pass, the others keep their activations (one forward, not two)."""
     from app.learning.training import PolicyTrainer
 
-    overrides = ("model.gradient_checkpointing=true", "model.checkpointed_layers=0.5", "train.micro_batch=8")
+    overrides = ("model.gradient_checkpointing=true", f"model.checkpointed_layers={share}", "train.micro_batch=8")
     trainer = PolicyTrainer(tiny_config(*overrides), tiny_model_dir)
     layers = trainer.model.base_model.model.model.language_model.layers
-    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    assert [layer.gradient_checkpointing for layer in layers] == recomputed
     forwards = [0] * len(layers)
     for i, layer in enumerate(layers):  # a pre-hook: torch stops a recomputation once it has what the backward needs
         layer.register_forward_pre_hook(lambda *_, i=i: forwards.__setitem__(i, forwards[i] + 1))
@@ -76,7 +77,7 @@ def test_a_share_of_the_layers_checkpointed_recomputes_only_those(tiny_model_dir
     counted_in_forward = list(forwards)
     (-(logp * mask).sum()).backward()
     assert counted_in_forward[0] == counted_in_forward[1] > 0
-    assert forwards == [2 * counted_in_forward[0], counted_in_forward[1]], forwards
+    assert forwards == [(1 + again) * once for again, once in zip(recomputed, counted_in_forward)], forwards
 
 
 @pytest.mark.parametrize("share", [1.0, 0.5])
