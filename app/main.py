@@ -86,8 +86,7 @@ class Run:
         p = self.cfg.placement
         peak = peak_tflops(actors.device_name, self.cfg.metrics.peak_tflops)
         gpus = p.num_bundles * p.gpus_per_bundle
-        m = self.cfg.model
-        return step_efficiency(metrics, self.flops, gpus, peak, m.checkpointed_layers * m.gradient_checkpointing)
+        return step_efficiency(metrics, self.flops, gpus, peak, self.cfg.model.recomputed_share)
 
     def json_state(self, trainer_state: dict) -> dict:
         return {

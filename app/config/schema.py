@@ -51,6 +51,11 @@ class ModelConfig:
         False, "the trainer's decoder layers compiled by torch.compile: fused elementwise kernels, ~1 min at start"
     )
 
+    @property
+    def recomputed_share(self) -> float:
+        """The share of the decoder layers whose forward the backward pass computes again (0 without checkpointing)."""
+        return self.checkpointed_layers if self.gradient_checkpointing else 0.0
+
 
 @dataclass
 class LoraSettings:

@@ -125,7 +125,7 @@ def main() -> None:
 
     def describe(m: dict) -> str:
         tokens = m["forward_tokens"]
-        work = flops.train(tokens, cfg.model.checkpointed_layers * cfg.model.gradient_checkpointing)
+        work = flops.train(tokens, cfg.model.recomputed_share)
         mfu = phase_efficiency("train", work, m["wall_s"], 1, peak).get("train_mfu")
         mfu = f", MFU {mfu:.1%}" if mfu is not None else ""
         memory = f", peak {m.get('peak_memory_gb', 0):.1f} GB" if on_gpu else ""

@@ -28,6 +28,14 @@ def test_the_work_of_a_phase():
     assert flops.train(forward_tokens=50, recomputed=0.25) == 4.5 * 1_000 * 50  # a quarter of the layers again
 
 
+def test_the_share_recomputed_follows_the_model_config():
+    from app.config.schema import ModelConfig
+
+    assert ModelConfig().recomputed_share == 0.0  # no checkpointing: nothing recomputed, whatever the share says
+    assert ModelConfig(gradient_checkpointing=True).recomputed_share == 1.0
+    assert ModelConfig(gradient_checkpointing=True, checkpointed_layers=0.5).recomputed_share == 0.5
+
+
 def test_utilisation_and_floor_need_a_peak():
     on_gpu = phase_efficiency("train", flops=989e12, seconds=4.0, gpus=2, peak=989)
     assert on_gpu == pytest.approx({"train_tflop": 989.0, "train_floor_s": 0.5, "train_mfu": 0.125})
