@@ -18,6 +18,7 @@ after the sleeps as before them. On a CPU (no --model) it runs the tiny model, t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -166,6 +167,9 @@ def main() -> None:
     ap.add_argument("--kernels", metavar="JSON", help="one more round under torch.profiler: GPU time by kernel kind")
     ap.add_argument("--lora-dual-stream", action="store_true", help="VLLM_LORA_ENABLE_DUAL_STREAM: the adapter beside")
     ap.add_argument("--lora-configs", metavar="DIR", help="VLLM_TUNED_CONFIG_FOLDER (scripts/bench/lora_kernels.py's)")
+    ap.add_argument(
+        "--specialize-active-lora", action="store_true", help="vLLM's LoRA grid over the active adapters only"
+    )
     args = ap.parse_args()
 
     gpu = torch.cuda.is_available()
@@ -177,6 +181,10 @@ def main() -> None:
         os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
     if args.lora_configs:
         os.environ["VLLM_TUNED_CONFIG_FOLDER"] = str(Path(args.lora_configs).resolve())
+    if args.specialize_active_lora:  # an engine argument the product does not pass: given to vllm.LLM here
+        import vllm
+
+        vllm.LLM = functools.partial(vllm.LLM, specialize_active_lora=True)
     if args.kernels and args.engine_process:
         ap.error("--kernels profiles this process's CUDA work: the engine core must run in it (no --engine-process)")
     start = time.perf_counter()
@@ -204,6 +212,7 @@ def main() -> None:
         "bad_words": not args.logits_processor,
         "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1",
         "lora_configs": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"),
+        "specialize_active_lora": args.specialize_active_lora,
         "engine_start_s": round(time.perf_counter() - start, 1),
     }
     dtype = torch.bfloat16 if gpu else torch.float32
