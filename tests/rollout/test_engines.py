@@ -278,6 +278,19 @@ def test_vllm_never_samples_vision_tokens(image_loving_model, tiny_lora, codec, 
     assert_same_generations(greedy["logits_processor"], greedy["bad_words"], tol=1e-5)
 
 
+def test_vllm_requests_carry_the_vision_tokens_as_vllm_tokenizes_them(vllm_engine):
+    """The engine tokenizes the vision tokens once; each request carries the ids vLLM would compute from the strings
+    for it, and vLLM's per-request tokenizing finds no strings to redo."""
+    from vllm import SamplingParams
+
+    params = vllm_engine._params(Sampling(max_new_tokens=4), seed=None)
+    plain = SamplingParams(bad_words=list(VISION_TOKENS))
+    plain.update_from_tokenizer(vllm_engine.llm.get_tokenizer())
+    params.update_from_tokenizer(vllm_engine.llm.get_tokenizer())  # as vLLM's input processor calls it
+    assert params.bad_words_token_ids == plain.bad_words_token_ids
+    assert len(plain.bad_words_token_ids) >= len(VISION_TOKENS)
+
+
 def load_unmasked_argmax(engine, prompt) -> int:
     t = torch.tensor([prompt.token_ids])
     inputs = {
