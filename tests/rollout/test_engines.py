@@ -226,6 +226,25 @@ def test_prompts_that_name_their_images_generate_the_same_and_the_names_are_used
         vllm_engine.generate([Prompt(first.token_ids, first.images, ["a", "b"])], greedy)
 
 
+def test_named_pictures_reach_vllm_as_arrays_made_once(vllm_engine, prompts, monkeypatch):
+    """A named picture is handed to vLLM as its RGB pixels, one array per content id however many requests show it;
+    the arrays held are bounded, the oldest used going first (prompts without ids keep their PIL pictures)."""
+    import numpy as np
+
+    from app.rollout.engines import vllm as vllm_module
+
+    monkeypatch.setattr(vllm_module, "_ARRAYS_HELD", 2)
+    monkeypatch.setattr(vllm_engine, "_arrays", {})
+    picture = prompts[0].images[0]
+    named = Prompt(prompts[0].token_ids, prompts[0].images, ["a"])
+    first, again = (vllm_engine._request(named, 0)["multi_modal_data"]["image"][0] for _ in range(2))
+    assert first is again and np.array_equal(first, np.asarray(picture.convert("RGB")))
+    for key in ("b", "a", "c"):  # "a" used again after "b": "b" is the oldest used when "c" comes
+        vllm_engine._request(Prompt(named.token_ids, named.images, [key]), 0)
+    assert list(vllm_engine._arrays) == ["a", "c"]
+    assert vllm_engine._request(prompts[0], 0)["multi_modal_data"]["image"][0] is picture
+
+
 @pytest.fixture(scope="module")
 def image_loving_model(tmp_path_factory, tiny_model_dir):
     """The tiny model with its output layer biased hard towards the vision special tokens."""

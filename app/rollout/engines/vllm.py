@@ -16,6 +16,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import torch
 
 from app.config import LoraSettings
@@ -29,6 +30,7 @@ from app.rollout.engines.vllm_requests import EngineRequests
 from app.rollout.engines.vllm_worker import from_wire, to_wire
 
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_ARRAYS_HELD = 1024  # pictures kept as arrays: a rollout round of 64 runs shows a few hundred distinct ones
 
 
 class VLLMEngine(Engine):
@@ -125,6 +127,7 @@ class VLLMEngine(Engine):
         self._asleep = False
         self._weights_awake = True
         self._streams = 0
+        self._arrays: dict[str, np.ndarray] = {}  # content id -> the picture as vLLM is handed it
         self._stats = {
             "engine_start_s": time.perf_counter() - start,
             "generate_calls": 0,
@@ -225,14 +228,27 @@ class VLLMEngine(Engine):
 
     def _request(self, p: Prompt, i: int) -> dict:
         request = {"prompt_token_ids": self.codec.collapse_image_pads(p.token_ids)}
-        if p.images:
+        if p.images and p.image_ids is None:
             request["multi_modal_data"] = {"image": list(p.images)}
-            if p.image_ids is not None:
-                if len(p.image_ids) != len(p.images):
-                    raise ValueError(f"prompt {i} names {len(p.image_ids)} image ids for {len(p.images)} images")
-                # content ids (app.rollout.episodes.Pictures): vLLM keys its caches by them instead of hashing pixels
-                request["multi_modal_uuids"] = {"image": list(p.image_ids)}
+        elif p.images:
+            if len(p.image_ids) != len(p.images):
+                raise ValueError(f"prompt {i} names {len(p.image_ids)} image ids for {len(p.images)} images")
+            pictures = [self._pixels(image, key) for image, key in zip(p.images, p.image_ids)]
+            request["multi_modal_data"] = {"image": pictures}
+            # content ids (app.rollout.episodes.Pictures): vLLM keys its caches by them instead of hashing pixels
+            request["multi_modal_uuids"] = {"image": list(p.image_ids)}
         return request
+
+    def _pixels(self, image, content_id: str) -> np.ndarray:
+        """A named picture as an RGB array, made once per content id: vLLM normalizes and copies a PIL picture in
+        every request that shows it (each turn shows the whole history's), and takes an array as it is."""
+        pixels = self._arrays.pop(content_id, None)
+        if pixels is None:
+            pixels = np.array(image.convert("RGB"))
+        self._arrays[content_id] = pixels  # the most recently used last
+        if len(self._arrays) > _ARRAYS_HELD:
+            del self._arrays[next(iter(self._arrays))]
+        return pixels
 
     def _generation(self, p: Prompt, out) -> Generation:
         if len(out.prompt_token_ids) != len(p.token_ids):
