@@ -5,9 +5,10 @@
 
 The prompts are a rollout's: `--episodes` runs (8 a maze) of scripted moves, every turn's prompt with the whole
 history. Each variant adds every prompt of every turn, then aborts them (nothing is generated), `--repeats` times.
-Variants: the engine's own sampling parameters (app/rollout/engines/vllm.py: the vision tokens' ids tokenized once,
-no deep copy) against vLLM's plain ones (`bad_words` as strings, tokenized again for each request, deep-copied).
-Printed last: microseconds a request, median of the repeats, and the ratio.
+Variants: vLLM's plain sampling parameters (`bad_words` as strings, tokenized again for each request, deep-copied)
+with the pictures as PIL images; the engine's own parameters (app/rollout/engines/vllm.py: the vision tokens' ids
+tokenized once, no deep copy) with PIL images; and the engine's whole request (its parameters, each picture an
+array made once per content id). Printed last: microseconds a request, median of the repeats, and the ratio.
 """
 
 from __future__ import annotations
@@ -69,11 +70,20 @@ def plain_params(engine: VLLMEngine, sampling: Sampling):
     )
 
 
-def seconds_to_add(engine: VLLMEngine, prompts: list, make_params) -> float:
+def pil_request(engine: VLLMEngine, prompt, i: int) -> dict:
+    """The request with its pictures as the episode loop holds them (PIL images), named by their content ids."""
+    return {
+        "prompt_token_ids": engine.codec.collapse_image_pads(prompt.token_ids),
+        "multi_modal_data": {"image": list(prompt.images)},
+        "multi_modal_uuids": {"image": list(prompt.image_ids)},
+    }
+
+
+def seconds_to_add(engine: VLLMEngine, prompts: list, make_params, make_request) -> float:
     llm, ids = engine.llm, []
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        rendered = llm._preprocess_cmpl([engine._request(prompt, i)])[0]
+        rendered = llm._preprocess_cmpl([make_request(engine, prompt, i)])[0]
         ids.append(f"bench-{i}")
         llm.llm_engine.add_request(ids[-1], rendered, make_params(), lora_request=None)
     seconds = time.perf_counter() - start
@@ -94,21 +104,24 @@ def main() -> None:
     engine = VLLMEngine(model_dir, lora, dtype="bfloat16" if gpu else "float32", max_model_len=8192, max_images=32)
     prompts = rollout_prompts(engine, args.episodes, args.turns)
     sampling = Sampling(16, 1.0)
+    own_params = lambda: engine._params(sampling, None)  # noqa: E731
+    own_request = type(engine)._request
     variants = {
-        "vLLM's plain parameters": lambda: plain_params(engine, sampling),
-        "the engine's parameters": lambda: engine._params(sampling, None),
+        "plain parameters, PIL": (lambda: plain_params(engine, sampling), pil_request),
+        "engine's parameters, PIL": (own_params, pil_request),
+        "the engine's request": (own_params, own_request),
     }
-    seconds_to_add(engine, prompts, variants["the engine's parameters"])  # the processor cache warm for both
+    seconds_to_add(engine, prompts, own_params, own_request)  # the processor cache warm for all
     times = {name: [] for name in variants}
     for _ in range(args.repeats):
-        for name, make in variants.items():
-            times[name].append(seconds_to_add(engine, prompts, make) / len(prompts) * 1e6)
+        for name, (params, request) in variants.items():
+            times[name].append(seconds_to_add(engine, prompts, params, request) / len(prompts) * 1e6)
     engine.shutdown()
-    plain, own = (statistics.median(times[name]) for name in variants)
+    plain, own = statistics.median(times["plain parameters, PIL"]), statistics.median(times["the engine's request"])
     print(f"{len(prompts)} requests ({args.episodes} runs x {args.turns} turns), {'GPU' if gpu else 'CPU'} machine")
     for name in variants:
         print(f"{name:26} {statistics.median(times[name]):8.1f} us a request  {[round(t) for t in times[name]]}")
-    print(f"ratio {plain / own:.2f}")
+    print(f"ratio, plain to the engine's: {plain / own:.2f}")
 
 
 if __name__ == "__main__":
