@@ -228,20 +228,22 @@ def test_prompts_that_name_their_images_generate_the_same_and_the_names_are_used
 
 def test_named_pictures_reach_vllm_as_arrays_made_once(vllm_engine, prompts, monkeypatch):
     """A named picture is handed to vLLM as its RGB pixels, one array per content id however many requests show it;
-    the arrays held are bounded, the oldest used going first (prompts without ids keep their PIL pictures)."""
+    the arrays' bytes held are bounded, the oldest used going first (prompts without ids keep their PIL pictures)."""
     import numpy as np
 
     from app.rollout.engines import vllm as vllm_module
 
-    monkeypatch.setattr(vllm_module, "_ARRAYS_HELD", 2)
-    monkeypatch.setattr(vllm_engine, "_arrays", {})
     picture = prompts[0].images[0]
+    monkeypatch.setattr(vllm_module, "_ARRAYS_BYTES", 2 * np.asarray(picture.convert("RGB")).nbytes)  # two held
+    monkeypatch.setattr(vllm_engine, "_arrays", {})
+    monkeypatch.setattr(vllm_engine, "_array_bytes", 0)
     named = Prompt(prompts[0].token_ids, prompts[0].images, ["a"])
     first, again = (vllm_engine._request(named, 0)["multi_modal_data"]["image"][0] for _ in range(2))
     assert first is again and np.array_equal(first, np.asarray(picture.convert("RGB")))
     for key in ("b", "a", "c"):  # "a" used again after "b": "b" is the oldest used when "c" comes
         vllm_engine._request(Prompt(named.token_ids, named.images, [key]), 0)
     assert list(vllm_engine._arrays) == ["a", "c"]
+    assert vllm_engine._array_bytes == sum(a.nbytes for a in vllm_engine._arrays.values())
     assert vllm_engine._request(prompts[0], 0)["multi_modal_data"]["image"][0] is picture
 
 

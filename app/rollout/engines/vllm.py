@@ -30,7 +30,8 @@ from app.rollout.engines.vllm_requests import EngineRequests
 from app.rollout.engines.vllm_worker import from_wire, to_wire
 
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_ARRAYS_HELD = 1024  # pictures kept as arrays: a rollout round of 64 runs shows a few hundred distinct ones
+# pictures kept as arrays: a rollout round of 64 runs shows a few hundred distinct ones, ~250 KB each at 288 px
+_ARRAYS_BYTES = 256 << 20
 
 
 class VLLMEngine(Engine):
@@ -128,6 +129,7 @@ class VLLMEngine(Engine):
         self._weights_awake = True
         self._streams = 0
         self._arrays: dict[str, np.ndarray] = {}  # content id -> the picture as vLLM is handed it
+        self._array_bytes = 0
         self._stats = {
             "engine_start_s": time.perf_counter() - start,
             "generate_calls": 0,
@@ -245,9 +247,10 @@ class VLLMEngine(Engine):
         pixels = self._arrays.pop(content_id, None)
         if pixels is None:
             pixels = np.array(image.convert("RGB"))
+            self._array_bytes += pixels.nbytes
         self._arrays[content_id] = pixels  # the most recently used last
-        if len(self._arrays) > _ARRAYS_HELD:
-            del self._arrays[next(iter(self._arrays))]
+        while self._array_bytes > _ARRAYS_BYTES and len(self._arrays) > 1:
+            self._array_bytes -= self._arrays.pop(next(iter(self._arrays))).nbytes
         return pixels
 
     def _generation(self, p: Prompt, out) -> Generation:
