@@ -54,20 +54,11 @@ def rollout_prompts(engine: VLLMEngine, episodes: int, turns: int) -> list:
 
 
 def plain_params(engine: VLLMEngine, sampling: Sampling):
-    """vLLM's parameters as a caller writes them: the vision tokens as bad words, deep-copied on the way in."""
-    from vllm import SamplingParams
-
-    return SamplingParams(
-        n=1,
-        max_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=0,
-        logprobs=0,
-        bad_words=list(VISION_TOKENS),
-        detokenize=False,
-        stop_token_ids=[engine.codec.im_end_id],
-    )
+    """The engine's parameters as vLLM's caller writes them: the vision tokens as bad words (tokenized again for each
+    request), deep-copied on the way in."""
+    params = engine._params(sampling, None)
+    params.bad_words, params._bad_words_token_ids, params.skip_clone = list(VISION_TOKENS), None, False
+    return params
 
 
 def pil_request(engine: VLLMEngine, prompt, i: int) -> dict:
