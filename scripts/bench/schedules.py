@@ -285,6 +285,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
+    # the engine core's process takes 40 s and more to go at the interpreter's exit, after the result is written
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
