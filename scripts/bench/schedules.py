@@ -5,7 +5,7 @@ whole history, 16 new tokens a reply, temperature 1, a random adapter (r32) push
 (one packed host buffer). Per configuration (one process each, since vLLM reads its process mode at start):
 
     python scripts/bench/schedules.py --model DIR --schedule lockstep|continuous [--engine-process] [--graphs]
-                                      [--tower] [--keep-weights] [--py-spy RAW]
+                                      [--tower] [--keep-weights] [--py-spy RAW] [--timeline DIR]
 
 Reported (one JSON line, then a table row): engine start; rollout seconds and generated tokens per round (median of
 --rounds after one warm-up round); the GPU's busy share during the rounds (nvidia-smi's utilization, sampled every
@@ -41,6 +41,7 @@ from app.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from app.rollout.episodes import EpisodeRequest, play_episodes  # noqa: E402
 from app.world.maze import generate_maze  # noqa: E402
 from app.world.rules import EpisodeSettings  # noqa: E402
+from scripts.bench import gpu_gaps  # noqa: E402
 
 
 class GpuBusy:
@@ -165,6 +166,7 @@ def main() -> None:
     ap.add_argument("--py-spy", metavar="RAW", help="py-spy samples of the rounds (this process and the engine core)")
     ap.add_argument("--without-lora", action="store_true", help="the rounds again with no adapter in the requests")
     ap.add_argument("--kernels", metavar="JSON", help="one more round under torch.profiler: GPU time by kernel kind")
+    ap.add_argument("--timeline", metavar="DIR", help="one more round under vLLM's profiler: the GPU's idle gaps")
     ap.add_argument("--lora-dual-stream", action="store_true", help="VLLM_LORA_ENABLE_DUAL_STREAM: the adapter beside")
     ap.add_argument("--lora-configs", metavar="DIR", help="VLLM_TUNED_CONFIG_FOLDER (scripts/bench/lora_kernels.py's)")
     ap.add_argument(
@@ -185,6 +187,11 @@ def main() -> None:
         import vllm
 
         vllm.LLM = functools.partial(vllm.LLM, specialize_active_lora=True)
+    if args.timeline:  # vLLM's profiler runs where the engine core runs, in this process or its own
+        import vllm
+
+        profiler = {"profiler": "torch", "torch_profiler_dir": str(Path(args.timeline).resolve())}
+        vllm.LLM = functools.partial(vllm.LLM, profiler_config={**profiler, "torch_profiler_with_stack": False})
     if args.kernels and args.engine_process:
         ap.error("--kernels profiles this process's CUDA work: the engine core must run in it (no --engine-process)")
     start = time.perf_counter()
@@ -280,6 +287,13 @@ def main() -> None:
         )
     if args.kernels:
         result["kernels"] = kernel_times(engine, requests, settings, args.kernels)
+    if args.timeline:
+        engine.llm.start_profile()
+        seconds, _, _ = play_round(engine, requests, settings, 8)
+        engine.llm.stop_profile()
+        trace = gpu_gaps.newest_trace(args.timeline)
+        gaps = gpu_gaps.gaps_summary(gpu_gaps.device_intervals(gpu_gaps.read_trace(trace))) if trace else {}
+        result["timeline"] = {"round_s": round(seconds, 2), "trace": str(trace), **gaps}
     engine.shutdown()
     print(json.dumps(result), flush=True)
     if args.json:

@@ -223,3 +223,37 @@ def test_lora_kernel_tables_are_read_back_by_vllm_for_each_shape(tmp_path, monke
         assert lookup("expand", 2, 64, hidden_size=12288, rank=32, num_slices=2, add_inputs=True) == expand[3]
     finally:
         utils.load_lora_op_config.cache_clear()
+
+
+def test_gpu_gaps_classes_the_idle_time_between_kernels_by_length(tmp_path):
+    """Kernels on two streams overlap and count once; the gaps between them fall in their length classes; copies
+    count as device work, host operators do not; a gzipped trace reads as a plain one."""
+    import gzip
+    import json
+
+    from scripts.bench.gpu_gaps import device_intervals, gaps_summary, newest_trace, read_trace
+
+    def event(cat, ts, dur):
+        return {"ph": "X", "cat": cat, "name": "k", "ts": ts, "dur": dur}
+
+    events = [
+        event("kernel", 0, 100),
+        event("kernel", 50, 100),  # another stream, overlapping: busy 0-150
+        event("kernel", 160, 40),  # a 10 us gap
+        event("gpu_memcpy", 1_200, 800),  # a 1 ms gap
+        event("cpu_op", 2_000, 50_000),  # host work: not the GPU's
+        event("kernel", 52_000, 1_000),  # a 50 ms gap
+        {"ph": "i", "cat": "kernel", "ts": 60_000},  # an instant event, not a span
+    ]
+    trace = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert newest_trace(tmp_path) == trace
+    summary = gaps_summary(device_intervals(read_trace(trace)))
+    assert summary["kernels"] == 5
+    assert summary["span_s"] == 0.053 and summary["busy_s"] == 0.00199 and summary["idle_s"] == 0.05101
+    assert summary["gaps"]["under 20 us"] == {"count": 1, "s": 1e-05}
+    assert summary["gaps"]["0.2-2 ms"]["count"] == 1 and summary["gaps"]["20 ms+"]["count"] == 1
+    assert summary["gaps"]["2-20 ms"]["count"] == 0
+    assert summary["longest_ms"][0] == {"ms": 50.0, "at_s": 0.002}
+    assert gaps_summary([]) == {"kernels": 0}
