@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -301,8 +302,13 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
-    # the engine core's process takes 40 s and more to go at the interpreter's exit, after the result is written
+    # the engine core's process takes 40 s and more to go at the interpreter's exit, after the result is written:
+    # it is killed and waited for (left behind, it would hold the GPU's memory from the next configuration's run)
     sys.stdout.flush()
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        child.kill()
+    psutil.wait_procs(children, timeout=60)
     os._exit(0)
 
 
