@@ -191,10 +191,9 @@ def main() -> None:
     if args.timeline:  # vLLM's profiler runs where the engine core runs, in this process or its own
         import vllm
 
-        profiler = {"profiler": "torch", "torch_profiler_dir": str(Path(args.timeline).resolve())}  # plain json: faster
-        vllm.LLM = functools.partial(
-            vllm.LLM, profiler_config={**profiler, "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False}
-        )
+        profiler = {"profiler": "torch", "torch_profiler_dir": str(Path(args.timeline).resolve())}
+        profiler.update(torch_profiler_with_stack=False, torch_profiler_use_gzip=False)  # plain json writes faster
+        vllm.LLM = functools.partial(vllm.LLM, profiler_config=profiler)
     if args.kernels and args.engine_process:
         ap.error("--kernels profiles this process's CUDA work: the engine core must run in it (no --engine-process)")
     start = time.perf_counter()
