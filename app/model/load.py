@@ -16,6 +16,7 @@ from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
 from app.config import LoraSettings
 from app.model.vision_attention import use_batched_vision_attention
+from app.model.vision_patches import use_linear_patch_embed
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # rule 8: no hub at run time, even by accident
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -28,6 +29,7 @@ def load_model(path: str | os.PathLike, dtype: str = "float32", device: str | to
 
     model = Qwen3VLForConditionalGeneration.from_pretrained(str(path), dtype=getattr(torch, dtype))
     use_batched_vision_attention(model)  # the same attention, one call for all pictures instead of one each
+    use_linear_patch_embed(model)  # the patch embedding as the matrix product vLLM computes, not a Conv3d
     return model.to(device)
 
 

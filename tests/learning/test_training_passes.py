@@ -14,16 +14,20 @@ from tests.conftest import tiny_config
 
 
 @pytest.fixture(scope="module")
-def batch(hf_engine, codec):
-    """Two groups of four sampled episodes, rewarded 1 and 0 alternately so that every group carries signal."""
+def batch(tiny_model_dir, tiny_lora, codec):
+    """Two groups of four sampled episodes, rewarded 1 and 0 alternately so that every group carries signal, played by
+    the base model (its own engine: the session's may hold an adapter another module loaded)."""
     from app.rollout.engines.base import Sampling
+    from app.rollout.engines.hf import HFEngine
     from app.rollout.episodes import EpisodeRequest, play_episodes
     from app.world.maze import generate_maze
     from app.world.rules import EpisodeSettings
 
     requests = [EpisodeRequest(generate_maze(group, 7), group, s) for group in range(2) for s in range(4)]
     settings = EpisodeSettings(max_turns=2, maze_size=7, cell_px=32, image_history=0, max_model_len=4096)
-    trajectories = play_episodes(hf_engine, codec, requests, settings, Sampling(8, 1.0, seed=3))
+    trajectories = play_episodes(
+        HFEngine(tiny_model_dir, tiny_lora), codec, requests, settings, Sampling(8, 1.0, seed=3)
+    )
     return [dataclasses.replace(t, reward=float(t.sample % 2)) for t in trajectories]
 
 
