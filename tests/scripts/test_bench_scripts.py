@@ -257,3 +257,27 @@ def test_gpu_gaps_classes_the_idle_time_between_kernels_by_length(tmp_path):
     assert summary["gaps"]["2-20 ms"]["count"] == 0
     assert summary["longest_ms"][0] == {"ms": 50.0, "at_s": 0.002}
     assert gaps_summary([]) == {"kernels": 0}
+
+
+def test_patch_embed_bench_times_the_convolution_against_the_product():
+    """scripts/bench/patch_embed.py: both ways in each dtype, forward alone and with the backward, and their ratio."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "scripts/bench/patch_embed.py", "--device", "cpu", "--patches", "64", "--hidden", "16"]
+        + ["--repeats", "1"],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [
+        (dtype, step) for dtype in ("bfloat16", "float32") for step in ("forward", "forward+backward")
+    ]
+    assert all(r[2].endswith("ms") and r[3].endswith("ms") and r[4].endswith("x") for r in rows)
