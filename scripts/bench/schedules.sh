@@ -13,8 +13,9 @@ CONFIGS=("$@")
 [ -f "$WORK/model_8b/config.json" ] || python scripts/make_model.py "$WORK/model_8b" --shape 8b > "$OUT/make_model.log" 2>&1
 for c in "${CONFIGS[@]}"; do
   IFS=, read -ra flags <<< "$c"
+  log="$OUT/schedules_$(tr -c 'A-Za-z0-9\n-' _ <<< "$c").log"  # the flags may hold paths
   timeout 290 python scripts/bench/schedules.py --model "$WORK/model_8b" --schedule "${flags[@]}" --rounds "${ROUNDS:-2}" \
-    --json "$OUT/schedules.jsonl" > "$OUT/schedules_${c//,/_}.log" 2>&1 || echo "$c: exit $?; $(grep -E 'Error' "$OUT/schedules_${c//,/_}.log" | tail -2)"
+    --json "$OUT/schedules.jsonl" > "$log" 2>&1 || echo "$c: exit $?; $(grep -E 'Error' "$log" | tail -2)"
 done
 python - "$OUT/schedules.jsonl" <<'PY'
 import json, sys

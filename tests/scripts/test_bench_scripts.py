@@ -281,3 +281,55 @@ def test_patch_embed_bench_times_the_convolution_against_the_product():
         (dtype, step) for dtype in ("bfloat16", "float32") for step in ("forward", "forward+backward")
     ]
     assert all(r[2].endswith("ms") and r[3].endswith("ms") and r[4].endswith("x") for r in rows)
+
+
+def test_schedules_sh_logs_each_config_whose_flags_hold_a_path(tmp_path):
+    """scripts/bench/schedules.sh names each config's log after its flags; a flag's value may be a path, whose
+    slashes must not make the log's name a folder that does not exist. schedules.py is stood in for by a script
+    that writes the record it would."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    work, out, bin_dir = tmp_path / "work", tmp_path / "out", tmp_path / "bin"
+    (work / "model_8b").mkdir(parents=True)
+    (work / "model_8b" / "config.json").write_text("{}")
+    bin_dir.mkdir()
+    record = {
+        "schedule": "lockstep",
+        "engine_process": True,
+        "graphs": True,
+        "engine_start_s": 1.0,
+        "rollout_s": 2.0,
+        "rollout_rounds_s": [2.0],
+        "generated_tokens": [8],
+        "gpu_busy": [0.5],
+        "sync_s": 0.1,
+        "load_awake_s": 0.1,
+        "held_equal": True,
+    }
+    fake = bin_dir / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = scripts/bench/schedules.py ]; then\n'
+        '  while [ $# -gt 0 ]; do [ "$1" = --json ] && dest=$2; shift; done\n'
+        f"  echo '{json.dumps(record)}' >> \"$dest\"; echo played; exit 0\n"
+        "fi\n"
+        f'exec {os.path.realpath(__import__("sys").executable)} "$@"\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ROUNDS": "1"}
+    done = subprocess.run(
+        ["bash", "scripts/bench/schedules.sh", str(out), str(work), "lockstep,--graphs,--timeline,/tmp/x/tl"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "exit" not in done.stdout, done.stdout + done.stderr
+    logs = sorted(p.name for p in out.glob("schedules_*.log"))
+    assert logs == ["schedules_lockstep_--graphs_--timeline__tmp_x_tl.log"], logs
+    assert (out / logs[0]).read_text().strip() == "played"
+    assert "lockstep" in done.stdout.splitlines()[-1]  # the table's row
