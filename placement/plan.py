@@ -9,6 +9,10 @@ leaves the GPU idle while it does (docs/BENCHMARKS.md). The consolidator is pinn
 writes to the head's shared directory and outlives worker nodes; the evaluator, which needs only a little CPU, goes
 there too, so that a lost worker never takes it along. Both are placed before the placement group (app/driver/
 cluster.py), so the head's share is theirs on any cluster, as `simulate` assumes.
+
+Threads: Ray gives each actor OMP_NUM_THREADS of its own CPU share, rounded down (1 for a colocated pair's halves
+of a 1-CPU bundle). A colocated pair's phases alternate, so each of the two computes alone and is given the whole
+bundle's CPUs as torch threads (placement.threads overrides); M rollout actors of a bundle play at once and share them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ RAY_HEAD_MARKER = "node:__internal_head__"
 log = logging.getLogger("mazerl")
 
 
+def in_ray_units(amount: float) -> float:
+    """A resource amount as Ray counts it (in ten-thousandths), so that 1.8 + 0.1 + 0.1 CPUs fit a 2-CPU node."""
+    return round(amount, 4)
+
+
 @dataclass(frozen=True)
 class Plan:
     num_pairs: int
@@ -41,6 +50,8 @@ class Plan:
     trainer_cpus: float
     evaluator_cpus: float
     consolidator_cpus: float
+    rollout_threads: int = 1
+    trainer_threads: int = 1
 
     @property
     def num_rollouts(self) -> int:
@@ -54,11 +65,11 @@ class Plan:
 
     @property
     def total_gpus(self) -> float:
-        return sum(b.get("GPU", 0) for b in self.bundles)
+        return in_ray_units(sum(b.get("GPU", 0) for b in self.bundles))
 
     @property
     def total_cpus(self) -> float:
-        return sum(b.get("CPU", 0) for b in self.bundles) + self.evaluator_cpus + self.consolidator_cpus
+        return in_ray_units(sum(b.get("CPU", 0) for b in self.bundles) + self.evaluator_cpus + self.consolidator_cpus)
 
 
 def make_plan(cfg: Config) -> Plan:
@@ -73,6 +84,7 @@ def make_plan(cfg: Config) -> Plan:
         share = 1.0
         bundles = [dict(bundle) for _ in range(2 * n)]
     m = p.rollouts_per_bundle
+    whole = p.threads or max(1, round(cpus))  # a bundle's CPUs as threads: the phases alternate within it
     return Plan(
         num_pairs=n,
         rollouts_per_bundle=m,
@@ -85,6 +97,8 @@ def make_plan(cfg: Config) -> Plan:
         trainer_cpus=cpus * share,
         evaluator_cpus=p.evaluator_cpus,
         consolidator_cpus=p.consolidator_cpus,
+        rollout_threads=max(1, whole // m),
+        trainer_threads=whole,
     )
 
 
@@ -111,7 +125,7 @@ def check_nodes(plan: Plan, nodes: list[dict]) -> None:
     head = next((n for n in nodes if n.get(HEAD_RESOURCE)), None) or next(
         (n for n in nodes if n.get(RAY_HEAD_MARKER)), None
     )
-    need = plan.consolidator_cpus + plan.evaluator_cpus
+    need = in_ray_units(plan.consolidator_cpus + plan.evaluator_cpus)
     if head is not None and head.get("CPU", 0) < need:
         raise ConfigError(
             "placement.consolidator_cpus",
@@ -179,12 +193,19 @@ def in_bundle(pg, index: int) -> dict:
     }
 
 
+def threads(n: int) -> dict:
+    """torch's and OpenMP's threads in the actor's process: Ray leaves OMP_NUM_THREADS alone once it is set."""
+    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(n)}}}
+
+
 def rollout_options(plan: Plan, pg, i: int) -> dict:
-    return {"num_cpus": plan.rollout_cpus, "num_gpus": plan.rollout_gpus, **in_bundle(pg, plan.rollout_bundle(i))}
+    where = in_bundle(pg, plan.rollout_bundle(i))
+    return {"num_cpus": plan.rollout_cpus, "num_gpus": plan.rollout_gpus, **where, **threads(plan.rollout_threads)}
 
 
 def trainer_options(plan: Plan, pg, i: int) -> dict:
-    return {"num_cpus": plan.trainer_cpus, "num_gpus": plan.trainer_gpus, **in_bundle(pg, plan.trainer_bundle(i))}
+    where = in_bundle(pg, plan.trainer_bundle(i))
+    return {"num_cpus": plan.trainer_cpus, "num_gpus": plan.trainer_gpus, **where, **threads(plan.trainer_threads)}
 
 
 def evaluator_options(plan: Plan, cluster_resources: dict) -> dict:
@@ -228,7 +249,7 @@ def simulate(plan: Plan, nodes: list[tuple[str, dict]]) -> list[str]:
     free = [dict(res) for _, res in nodes]
     # reserve what the head-pinned and free-floating actors need first, so bundles do not take it
     head = next((i for i, (_, r) in enumerate(nodes) if r.get(HEAD_RESOURCE)), 0)
-    free[head]["CPU"] = free[head].get("CPU", 0) - plan.consolidator_cpus - plan.evaluator_cpus
+    free[head]["CPU"] = in_ray_units(free[head].get("CPU", 0) - plan.consolidator_cpus - plan.evaluator_cpus)
     placed = []
     for b in plan.bundles:
         target = next((i for i, f in enumerate(free) if all(f.get(k, 0) >= v for k, v in b.items())), None)
@@ -239,7 +260,7 @@ def simulate(plan: Plan, nodes: list[tuple[str, dict]]) -> list[str]:
                 "lower placement.cpus_per_bundle / gpus_per_bundle or describe more nodes",
             )
         for k, v in b.items():
-            free[target][k] -= v
+            free[target][k] = in_ray_units(free[target][k] - v)
         placed.append(nodes[target][0])
     return placed
 
@@ -248,13 +269,14 @@ def describe(plan: Plan, cluster_resources: dict | None = None) -> str:
     lines = [f"placement group: {len(plan.bundles)} bundles, strategy {plan.strategy}"]
     for i, b in enumerate(plan.bundles):
         who = [
-            f"rollout-{j} (GPU {plan.rollout_gpus:g}, CPU {plan.rollout_cpus:g})"
+            f"rollout-{j} (GPU {plan.rollout_gpus:g}, CPU {plan.rollout_cpus:g}, {plan.rollout_threads} threads)"
             for j in range(plan.num_rollouts)
             if plan.rollout_bundle(j) == i
         ]
         for r in range(plan.num_pairs):
             if plan.trainer_bundle(r) == i:
-                who.append(f"trainer-{r} (GPU {plan.trainer_gpus:g}, CPU {plan.trainer_cpus:g})")
+                share = f"GPU {plan.trainer_gpus:g}, CPU {plan.trainer_cpus:g}, {plan.trainer_threads} threads"
+                who.append(f"trainer-{r} ({share})")
         lines.append(f"  bundle {i}: {b} -> {', '.join(who)}")
     marker = head_resource(cluster_resources or {})
     lines.append(f"evaluator: CPU {plan.evaluator_cpus:g}, pinned to the head node (resource '{marker}')")

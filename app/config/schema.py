@@ -314,6 +314,11 @@ class PlacementConfig:
         ge=1,
         le=16,
     )
+    threads: int = knob(
+        0,
+        "torch threads of each trainer rank and rollout actor; 0: the bundle's CPUs, rounded (phases alternate)",
+        ge=0,
+    )
     evaluator_cpus: float = knob(0.1, "CPUs reserved for the evaluator", gt=0.0)
     consolidator_cpus: float = knob(0.1, "CPUs reserved for the checkpoint consolidator on the head node", gt=0.0)
     ray_address: str | None = knob(None, "Ray cluster to join ('auto' or host:port); none starts a local one")

@@ -964,4 +964,26 @@ def test_rollout_actors_fill_bundles_in_order() -> None:
     assert [plan.rollout_bundle(j) for j in range(plan.num_rollouts)] == [0, 0, 0, 1, 1, 1]
     assert plan.rollout_cpus == 1.0 and plan.trainer_cpus == 3.0 and plan.total_cpus == 12 + 0.2
     text = describe(plan)
-    assert "bundle 1: {'CPU': 6.0} -> rollout-3 (GPU 0, CPU 1), rollout-4" in text and "trainer-1" in text
+    assert "bundle 1: {'CPU': 6.0} -> rollout-3 (GPU 0, CPU 1, 2 threads), rollout-4" in text
+    assert "trainer-1 (GPU 0, CPU 3, 6 threads)" in text  # phases alternate: the trainer computes with the bundle
+
+
+def test_colocated_actors_compute_with_the_whole_bundles_cpus_as_threads() -> None:
+    from placement import plan as placement
+    from placement.plan import make_plan
+
+    def plan(*overrides):
+        return make_plan(load_config(None, list(overrides)))
+
+    one = plan("placement.cpus_per_bundle=1.8")  # the default job's 2-core laptop: the head keeps 0.2
+    placement.check_cluster(one, {"CPU": 2.0})  # 1.8 + 0.1 + 0.1 in floats is 2.0000000000000004
+    placement.check_nodes(one, [{"CPU": 2.0, "node:__internal_head__": 1.0}])
+    assert placement.simulate(one, [("laptop", {"CPU": 2.0})]) == ["laptop"]
+    assert (one.trainer_cpus, one.trainer_threads, one.rollout_threads) == (0.9, 2, 2)
+    assert (plan("placement.cpus_per_bundle=0.5").trainer_threads, plan().rollout_threads) == (1, 1)
+    apart = plan("placement.colocate_all=false", "placement.cpus_per_bundle=4")
+    assert (apart.trainer_cpus, apart.trainer_threads, apart.rollout_threads) == (4, 4, 4)
+    chosen = plan("placement.cpus_per_bundle=8", "placement.threads=3", "placement.rollouts_per_bundle=2")
+    assert (chosen.trainer_threads, chosen.rollout_threads) == (3, 1)
+    with pytest.raises(ConfigError, match="placement.threads"):
+        load_config(None, ["placement.threads=-1"])
