@@ -445,8 +445,8 @@ def test_hyperpod_plan_places_two_bundles_per_gpu_pod_and_the_consolidator_on_th
     assert "placement group: 6 bundles, strategy PACK" in out
     for i in range(6):
         assert re.search(
-            rf"(?m)^  bundle {i}: \{{'CPU': 8\.0, 'GPU': 1\}} -> rollout-{i} \(GPU 0\.5, CPU 4\), "
-            rf"trainer-{i} \(GPU 0\.5, CPU 4\)$",
+            rf"(?m)^  bundle {i}: \{{'CPU': 8\.0, 'GPU': 1\}} -> rollout-{i} \(GPU 0\.5, CPU 4, 8 threads\), "
+            rf"trainer-{i} \(GPU 0\.5, CPU 4, 8 threads\)$",
             out,
         ), out
     assert "consolidator: CPU 0.1, pinned to the head node (resource 'head')" in out
