@@ -8,6 +8,7 @@ import os
 import ray
 import torch
 
+from actors.heap import freeze_heap
 from app.config import Config, LoraSettings
 from app.model.adapters import PackedTensors, held_form, unpack
 from app.model.build import ensure_model
@@ -26,12 +27,14 @@ class RolloutActor:
         self.model_dir = str(ensure_model(cfg.model, model_cache))
         self.engine = make_engine(cfg, self.model_dir, device, index)
         self.settings = EpisodeSettings.from_config(cfg)
+        self.frozen_objects = freeze_heap()  # what lives as long as the process: no full collection mid-rollout
 
     def ready(self) -> dict:
         return {
             "index": self.index,
             "node": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
+            "frozen_objects": self.frozen_objects,
             **self.engine.stats(),
         }
 

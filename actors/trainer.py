@@ -10,6 +10,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from actors.heap import freeze_heap
 from app.config import Config
 from app.learning.sft import WarmStartData
 from app.learning.training import PolicyTrainer
@@ -56,11 +57,13 @@ class TrainerActor:
             )
         self.trainer = PolicyTrainer(self.cfg, self.model_dir, self.rank, self.world, self.device)
         name = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
+        frozen = freeze_heap()  # the model and the libraries live as long as the process: no full pass mid-step
         return {
             "rank": self.rank,
             "node": ray.get_runtime_context().get_node_id(),
             "device": self.device,
             "device_name": name,
+            "frozen_objects": frozen,
         }
 
     @ray.method(num_returns=2)
