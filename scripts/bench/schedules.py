@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from actors.heap import freeze_heap  # noqa: E402
 from app.config import LoraSettings, ModelConfig  # noqa: E402
 from app.model import adapters  # noqa: E402
 from app.model.build import ensure_model  # noqa: E402
@@ -77,6 +79,31 @@ class GpuBusy:
     @property
     def share(self) -> float | None:
         return round(statistics.mean(self.samples) / 100, 3) if self.samples else None
+
+
+class FullCollections:
+    """The garbage collector's full (generation 2) passes in this process while the block runs: how many, and the
+    seconds the thread stood still in them (the episode loop that feeds the engine runs in this process)."""
+
+    def __enter__(self):
+        self.pauses, self._start = [], 0.0
+        gc.callbacks.append(self._record)
+        return self
+
+    def _record(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._start)
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._record)
+
+    def summary(self) -> dict:
+        longest = max(self.pauses, default=0.0)
+        return {"n": len(self.pauses), "total_s": round(sum(self.pauses), 3), "max_s": round(longest, 3)}
 
 
 def sample_this_process(raw_path: str) -> subprocess.Popen:
@@ -170,6 +197,7 @@ def main() -> None:
     ap.add_argument("--timeline", metavar="DIR", help="one more round under vLLM's profiler: the GPU's idle gaps")
     ap.add_argument("--lora-dual-stream", action="store_true", help="VLLM_LORA_ENABLE_DUAL_STREAM: the adapter beside")
     ap.add_argument("--lora-configs", metavar="DIR", help="VLLM_TUNED_CONFIG_FOLDER (scripts/bench/lora_kernels.py's)")
+    ap.add_argument("--unfrozen-heap", action="store_true", help="no gc.freeze once the engine runs (heap.py)")
     ap.add_argument(
         "--specialize-active-lora", action="store_true", help="vLLM's LoRA grid over the active adapters only"
     )
@@ -211,6 +239,8 @@ def main() -> None:
         keep_weights=args.keep_weights,
         forbid_with="logits_processor" if args.logits_processor else "bad_words",
     )
+    if not args.unfrozen_heap:  # as the rollout actor does once its engine has started
+        freeze_heap()
     result = {
         "image_history": args.image_history,
         "schedule": args.schedule,
@@ -222,6 +252,7 @@ def main() -> None:
         "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1",
         "lora_configs": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"),
         "specialize_active_lora": args.specialize_active_lora,
+        "frozen_heap": not args.unfrozen_heap,
         "engine_start_s": round(time.perf_counter() - start, 1),
     }
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -264,8 +295,9 @@ def main() -> None:
     prompts = count_prompt_tokens(engine) if args.schedule == "lockstep" else None
     rounds = []
     sampler = sample_this_process(args.py_spy) if args.py_spy else None
-    for r in range(args.rounds):
-        rounds.append(play_round(engine, requests, settings, r))
+    with FullCollections() as collections:
+        for r in range(args.rounds):
+            rounds.append(play_round(engine, requests, settings, r))
     if sampler is not None:
         sampler.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
         sampler.wait(timeout=120)
@@ -274,6 +306,7 @@ def main() -> None:
         rollout_rounds_s=[round(s, 2) for s, _, _ in rounds],
         generated_tokens=[n for _, n, _ in rounds],
         gpu_busy=[b for _, _, b in rounds],
+        full_collections=collections.summary(),
     )
     if prompts is not None:  # how much of each prompt vLLM's prefix cache already held
         result.update(prompt_tokens=prompts["prompt"], prefix_cached_tokens=prompts["cached"])
@@ -291,11 +324,17 @@ def main() -> None:
         result["kernels"] = kernel_times(engine, requests, settings, args.kernels)
     if args.timeline:
         engine.llm.start_profile()
-        seconds, _, _ = play_round(engine, requests, settings, 8)
+        with FullCollections() as collections:
+            seconds, _, _ = play_round(engine, requests, settings, 8)
         engine.llm.stop_profile()
         trace = gpu_gaps.newest_trace(args.timeline)
         gaps = gpu_gaps.gaps_summary(gpu_gaps.device_intervals(gpu_gaps.read_trace(trace))) if trace else {}
-        result["timeline"] = {"round_s": round(seconds, 2), "trace": str(trace), **gaps}
+        result["timeline"] = {
+            "round_s": round(seconds, 2),
+            "trace": str(trace),
+            "full_collections": collections.summary(),
+            **gaps,
+        }
     engine.shutdown()
     print(json.dumps(result), flush=True)
     if args.json:

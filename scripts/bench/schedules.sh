@@ -19,10 +19,13 @@ for c in "${CONFIGS[@]}"; do
 done
 python - "$OUT/schedules.jsonl" <<'PY'
 import json, sys
-print(f"{'schedule':11} {'process':7} {'graphs':6} {'keep':5} {'lora':6} {'start':>6} {'rollout':>8} {'rounds':>14} {'tokens':>13} {'busy':>11} {'sync':>6} {'load':>6} held (after) same (twice)")
+def gc2(r):  # the episode loop's process: full garbage collections during the rounds, and their seconds
+    c = r.get("full_collections")
+    return f"{c['n']}/{c['total_s']:.2f}" if c else "-"
+print(f"{'schedule':11} {'process':7} {'graphs':6} {'keep':5} {'lora':6} {'start':>6} {'rollout':>8} {'rounds':>14} {'tokens':>13} {'busy':>11} {'sync':>6} {'load':>6} {'heap':6} {'gc2 n/s':>9} held (after) same (twice)")
 for line in open(sys.argv[1]):
     r = json.loads(line)
     print(f"{r['schedule']:11} {str(r['engine_process']):7} {str(r['graphs']):6} {str(r.get('keep_weights', False)):5} {('dual' if r.get('lora_dual_stream') else '') + ('tuned' if r.get('lora_configs') else '') + ('spec' if r.get('specialize_active_lora') else '') or '-':6} {r['engine_start_s']:6.1f} {r['rollout_s']:8.2f} "
           f"{str(r['rollout_rounds_s']):>14} {str(r['generated_tokens']):>13} {str(r['gpu_busy']):>11} {r['sync_s']:6.3f} "
-          f"{r['load_awake_s']:6.3f} {r['held_equal']} ({r.get('held_equal_after')}) {r.get('same_after_sleeps')} ({r.get('same_twice')})")
+          f"{r['load_awake_s']:6.3f} {'frozen' if r.get('frozen_heap') else '-':6} {gc2(r):>9} {r['held_equal']} ({r.get('held_equal_after')}) {r.get('same_after_sleeps')} ({r.get('same_twice')})")
 PY
