@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from actors.heap import freeze_heap
 from app.config import Config
+from app.learning.out_of_memory import explained_out_of_memory
 from app.learning.sft import WarmStartData
 from app.learning.training import PolicyTrainer
 from app.model.adapters import pack, unpack
@@ -70,7 +71,8 @@ class TrainerActor:
     def step(self, trajectory_refs: list, step: int):
         """One GRPO update on the step's trajectories; rank 0 also returns the new LoRA tensors."""
         trajectories = [t for batch in ray.get(trajectory_refs) for t in batch]
-        metrics = self.trainer.train_step(trajectories)
+        with explained_out_of_memory(self.cfg, self.device, "train step"):
+            metrics = self.trainer.train_step(trajectories)
         metrics["step"] = step
         lora = self.trainer.trained_tensors(on_device=True)  # a collective: every rank takes part
         packed = pack(lora) if self.rank == 0 else None
@@ -86,7 +88,8 @@ class TrainerActor:
             self.warm_start_data = WarmStartData(
                 self.trainer.codec, EpisodeSettings.from_config(self.cfg), self.cfg.sft, seed=self.cfg.train.seed
             )
-        metrics = self.trainer.sft_step(self.warm_start_data.batch(mazes), lr)
+        with explained_out_of_memory(self.cfg, self.device, "warm-start step"):
+            metrics = self.trainer.sft_step(self.warm_start_data.batch(mazes), lr)
         self.trainer.release_cached_memory()
         return metrics
 

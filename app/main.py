@@ -269,6 +269,9 @@ def train(cfg: Config, plan: placement.Plan, sampler: MazeSampler, args: argpars
                 print("\n" + summary, flush=True)
                 log.info("summary: %s", write_summary(run_dir, summary))
                 return 0
+            except ConfigError as e:  # one a run meets only once it runs (a trainer out of GPU memory): no retry
+                print(f"mazerl: {getattr(e, 'cause', e)}", file=sys.stderr)
+                return 2
             except recoverable_errors() as e:
                 run.recoveries += 1
                 if run.recoveries > cfg.checkpoint.max_failures:

@@ -27,6 +27,9 @@ class ConfigError(ValueError):
         # one line whatever the user wrote: escape newlines and other non-printing characters
         super().__init__("".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text))
 
+    def __reduce__(self):  # rebuilt from its parts where it lands (a trainer's error crosses to the driver by pickle)
+        return ConfigError, (self.field_path, self.problem, self.fix)
+
 
 class _YamlLoader(yaml.SafeLoader):
     """SafeLoader that also reads 1e-5 (an exponent without a dot, YAML 1.2 style) as a float."""
