@@ -15,7 +15,7 @@ import torch
 
 from app.config import Config, ConfigError
 
-GB = 1e9
+GIB = 1024**3  # as torch and nvidia-smi count GPU memory
 
 
 def first_knob(cfg: Config) -> str:
@@ -32,9 +32,9 @@ def out_of_memory_error(cfg: Config, phase: str, memory: dict[str, int]) -> Conf
     `gpu_memory`'s account of the GPU when it did."""
     m, r = cfg.model, cfg.rollout
     problem = (
-        f"the trainer ran out of GPU memory in a {phase}: its tensors reached {memory['peak'] / GB:.1f} GB of the "
-        f"GPU's {memory['total'] / GB:.1f} GB while other processes (the colocated rollout engine) held "
-        f"{memory['others'] / GB:.1f} GB"
+        f"the trainer ran out of GPU memory in a {phase}: its tensors reached {memory['peak'] / GIB:.1f} GiB of the "
+        f"GPU's {memory['total'] / GIB:.1f} GiB while other processes (the colocated rollout engine) held "
+        f"{memory['others'] / GIB:.1f} GiB"
     )
     fixes = []
     if not m.gradient_checkpointing:

@@ -14,8 +14,8 @@ from app.config import ConfigError, load_config
 from app.learning.out_of_memory import explained_out_of_memory, out_of_memory_error
 
 ROOT = Path(__file__).resolve().parents[2]
-GB = 10**9
-H100 = {"total": 80 * GB, "peak": 56 * GB, "others": 22 * GB}  # configs/h200.yaml's trainer beside its engine
+GIB = 1024**3
+H100 = {"total": 79 * GIB, "peak": 56 * GIB, "others": 22 * GIB}  # configs/h200.yaml's trainer beside its engine
 
 
 def config(*overrides: str):
@@ -25,7 +25,7 @@ def config(*overrides: str):
 def test_the_error_names_the_checkpointed_share_first_then_every_other_way_to_free_memory():
     e = out_of_memory_error(config(), "train step", H100)
     assert e.field_path == "model.checkpointed_layers"
-    assert "reached 56.0 GB of the GPU's 80.0 GB" in e.problem and "held 22.0 GB" in e.problem
+    assert "reached 56.0 GiB of the GPU's 79.0 GiB" in e.problem and "held 22.0 GiB" in e.problem
     assert "model.checkpointed_layers (now 0.0" in e.fix and "train.micro_batch (now 4)" in e.fix
     assert "rollout.keep_weights=false" in e.fix
 
@@ -42,7 +42,7 @@ def test_with_every_layer_checkpointed_the_micro_batch_comes_first():
 
 def test_a_config_error_keeps_its_parts_across_a_pickle():
     e = pickle.loads(pickle.dumps(out_of_memory_error(config(), "train step", H100)))
-    assert isinstance(e, ConfigError) and e.field_path == "model.checkpointed_layers" and "56.0 GB" in str(e)
+    assert isinstance(e, ConfigError) and e.field_path == "model.checkpointed_layers" and "56.0 GiB" in str(e)
 
 
 @ray.remote
@@ -73,5 +73,5 @@ def test_a_real_cuda_out_of_memory_becomes_the_config_error_with_the_gpus_figure
     with pytest.raises(ConfigError) as caught, explained_out_of_memory(config(), "cuda:0", "train step"):
         torch.empty(2**45, dtype=torch.uint8, device="cuda")  # 35 TB
     assert caught.value.field_path == "model.checkpointed_layers"
-    assert f"of the GPU's {total / GB:.1f} GB" in caught.value.problem
+    assert f"of the GPU's {total / GIB:.1f} GiB" in caught.value.problem
     assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
