@@ -3,7 +3,9 @@
 #   bash scripts/bench/schedules.sh OUT [WORK] [CONFIG...]
 # CONFIG: schedules.py flags in one word with commas, e.g. "lockstep" "continuous,--graphs,--engine-process";
 # default: all four of lockstep eager, lockstep graphs, continuous graphs, continuous graphs in its own process.
-# The 8B-shaped model is built at WORK/model_8b if absent. Results append to OUT/schedules.jsonl; a table last.
+# LIMIT (default 290): seconds a configuration may run; the LoRA's second stream starts in ~215 s with a cold
+# compile cache, so give it 400 alone in a call. The 8B-shaped model is built at WORK/model_8b if absent.
+# Results append to OUT/schedules.jsonl; a table last.
 set -uo pipefail
 OUT=${1:?out dir}; WORK=${2:-/tmp/mazerl}; shift; shift || true
 mkdir -p "$OUT" "$WORK"
@@ -14,7 +16,7 @@ CONFIGS=("$@")
 for c in "${CONFIGS[@]}"; do
   IFS=, read -ra flags <<< "$c"
   log="$OUT/schedules_$(tr -c 'A-Za-z0-9\n-' _ <<< "$c").log"  # the flags may hold paths
-  timeout 290 python scripts/bench/schedules.py --model "$WORK/model_8b" --schedule "${flags[@]}" --rounds "${ROUNDS:-2}" \
+  timeout "${LIMIT:-290}" python scripts/bench/schedules.py --model "$WORK/model_8b" --schedule "${flags[@]}" --rounds "${ROUNDS:-2}" \
     --json "$OUT/schedules.jsonl" > "$log" 2>&1 || echo "$c: exit $?; $(grep -E 'Error' "$log" | tail -2)"
 done
 python - "$OUT/schedules.jsonl" <<'PY'
