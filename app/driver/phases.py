@@ -13,7 +13,7 @@ import time
 
 from app.config import Config, TrainConfig
 from app.driver.cluster import Actors
-from app.driver.waits import Waits
+from app.driver.waits import Waits, fetch_failed_returns
 from app.learning.grpo import informative_groups, uninformative_groups
 from app.rollout.engines import Sampling
 from app.rollout.engines.base import derive_seed
@@ -51,7 +51,11 @@ def rollout_phase(actors: Actors, mazes, cfg: Config, step: int, round_: int, wa
         )
         for k in playing
     ]
-    summaries = waits.gather([s for s, _ in refs], "rollout", [actors.rollout_names[k] for k in playing])
+    try:
+        summaries = waits.gather([s for s, _ in refs], "rollout", [actors.rollout_names[k] for k in playing])
+    except BaseException:
+        fetch_failed_returns(refs)
+        raise
     return summaries, [t for _, t in refs]
 
 
@@ -89,7 +93,11 @@ def train_phase(actors: Actors, trajectory_refs: list, step: int, waits: Waits, 
     (rank 0's metrics, a ref of rank 0's new adapter, what `meanwhile` returned or None)."""
     results = [t.step.remote(trajectory_refs, step) for t in actors.trainers]
     during = meanwhile() if meanwhile is not None else None
-    metrics = waits.gather([m for m, _ in results], "train", actors.trainer_names)[0]
+    try:
+        metrics = waits.gather([m for m, _ in results], "train", actors.trainer_names)[0]
+    except BaseException:
+        fetch_failed_returns(results)
+        raise
     return metrics, results[0][1], during
 
 

@@ -12,6 +12,7 @@ times its median (never under `waits.stall_floor_s`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -126,3 +127,21 @@ class Waits:
         if self.on_stall is not None:
             self.on_stall(stall)
         raise stall
+
+
+def fetch_failed_returns(calls: Sequence[Sequence]) -> None:
+    """For each call of several return values (its refs, the one waited on first) that has failed, fetches its other
+    return values: they hold the same error, and Ray prints a dropped ref's error that nothing fetched as an
+    "Unhandled error" traceback, after the error the driver already reports. Calls still running or that succeeded
+    are left as they are (a successful adapter or trajectory batch stays in the object store)."""
+    for first, *others in calls:
+        if not ray.wait([first], timeout=0)[0]:
+            continue
+        try:
+            ray.get(first)
+            continue
+        except Exception:
+            pass
+        for ref in others:
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=0)

@@ -127,3 +127,37 @@ def test_the_plan_reserves_the_heads_share_for_its_actors_first():
     assert placement.simulate(plan, nodes) == ["worker-0", "worker-1"]
     text = placement.describe(plan, {"head": 1})
     assert "evaluator: CPU 0.1, pinned to the head node" in text and "consolidator: CPU 0.1, pinned" in text
+
+
+def test_a_failed_train_step_leaves_no_unhandled_error_for_its_adapter(ray_cluster, capfd, caplog):
+    """A train step returns (metrics, adapter); when it fails, the driver reports the metrics' error, and the
+    adapter's copy of it must not follow as Ray's "Unhandled error" traceback when the driver drops the ref."""
+    import gc
+
+    import ray
+
+    from app.driver.cluster import Actors
+    from app.driver.phases import train_phase
+
+    @ray.remote(num_cpus=0)
+    class FailingRank:
+        @ray.method(num_returns=2)
+        def step(self, trajectory_refs, step):
+            raise ValueError("out of memory, say")
+
+    rank = FailingRank.remote()
+    actors = Actors(pg=None, rollouts=[], trainers=[rank], evaluator=None, consolidator=None)
+
+    def failed_step() -> str:  # the step's refs live in train_phase's frame, which the traceback holds until here
+        try:
+            train_phase(actors, [], 1, Waits(WaitConfig()))
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    assert "out of memory, say" in failed_step()
+    gc.collect()
+    time.sleep(3)  # Ray reports an unhandled error from a background check
+    printed = capfd.readouterr()
+    assert "Unhandled error" not in printed.err + caplog.text
+    ray.kill(rank)
