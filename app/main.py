@@ -42,7 +42,7 @@ from app.driver.preflight import (
     describe_preflight,
     model_flops,
 )
-from app.driver.waits import Waits
+from app.driver.waits import Waits, fetch_failed_returns
 from app.observe.efficiency import peak_tflops, step_efficiency
 from app.observe.metrics import MetricsSink
 from app.observe.report import build_report
@@ -106,7 +106,11 @@ def restore(run: Run, actors: Actors) -> int:
     cfg = run.cfg
     waits = run.waits
     summary_ref, saved_ref = actors.consolidator.resume.remote(run.saved_steps)
-    summary = waits.one(summary_ref, "restore", actors.label("consolidator"))
+    try:
+        summary = waits.one(summary_ref, "restore", actors.label("consolidator"))
+    except BaseException:
+        fetch_failed_returns([(summary_ref, saved_ref)])
+        raise
     waits.gather([t.load_state.remote(saved_ref) for t in actors.trainers], "restore", actors.trainer_names)
     step = summary["step"]
     run.restored = True

@@ -127,8 +127,13 @@ def export_adapter(actors: Actors, step: int, lora_ref, waits: Waits) -> dict:
 def write_checkpoint(actors: Actors, step: int, json_state, waits: Waits) -> dict:
     """The full training state (rank 0's adapter, optimizer, RNG and json_state(trainer state)), committed by the
     consolidator; returns its report."""
-    adapter, optimizer, rng, trainer_state = zip(*[t.checkpoint_state.remote() for t in actors.trainers])
-    trainer_json = waits.gather(trainer_state, "checkpoint", actors.trainer_names)[0]
+    calls = [t.checkpoint_state.remote() for t in actors.trainers]
+    adapter, optimizer, rng, trainer_state = zip(*calls)
+    try:
+        trainer_json = waits.gather(trainer_state, "checkpoint", actors.trainer_names)[0]
+    except BaseException:
+        fetch_failed_returns([(state, *others) for *others, state in calls])
+        raise
     ref = actors.consolidator.save_checkpoint.remote(step, adapter[0], optimizer[0], rng[0], json_state(trainer_json))
     return waits.one(ref, "checkpoint", actors.label("consolidator"))
 

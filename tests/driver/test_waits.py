@@ -129,15 +129,17 @@ def test_the_plan_reserves_the_heads_share_for_its_actors_first():
     assert "evaluator: CPU 0.1, pinned to the head node" in text and "consolidator: CPU 0.1, pinned" in text
 
 
-def test_a_failed_train_step_leaves_no_unhandled_error_for_its_adapter(ray_cluster, capfd, caplog):
-    """A train step returns (metrics, adapter); when it fails, the driver reports the metrics' error, and the
-    adapter's copy of it must not follow as Ray's "Unhandled error" traceback when the driver drops the ref."""
+@pytest.mark.parametrize("phase", ["train", "checkpoint"])
+def test_a_failed_phase_leaves_no_unhandled_error_for_its_other_return_values(ray_cluster, capfd, caplog, phase):
+    """A train step returns (metrics, adapter), a checkpoint's state four values; when the call fails, the driver
+    reports the error of the one it waits on, and the others' copies of it must not follow as Ray's "Unhandled
+    error" traceback when the driver drops their refs."""
     import gc
 
     import ray
 
     from app.driver.cluster import Actors
-    from app.driver.phases import train_phase
+    from app.driver.phases import train_phase, write_checkpoint
 
     @ray.remote(num_cpus=0)
     class FailingRank:
@@ -145,17 +147,24 @@ def test_a_failed_train_step_leaves_no_unhandled_error_for_its_adapter(ray_clust
         def step(self, trajectory_refs, step):
             raise ValueError("out of memory, say")
 
+        @ray.method(num_returns=4)
+        def checkpoint_state(self):
+            raise ValueError("out of memory, say")
+
     rank = FailingRank.remote()
     actors = Actors(pg=None, rollouts=[], trainers=[rank], evaluator=None, consolidator=None)
 
-    def failed_step() -> str:  # the step's refs live in train_phase's frame, which the traceback holds until here
+    def failed_phase() -> str:  # the call's refs live in the phase's frame, which the traceback holds until here
         try:
-            train_phase(actors, [], 1, Waits(WaitConfig()))
+            if phase == "train":
+                train_phase(actors, [], 1, Waits(WaitConfig()))
+            else:
+                write_checkpoint(actors, 1, dict, Waits(WaitConfig()))
         except ValueError as e:
             return str(e)
         return "no error"
 
-    assert "out of memory, say" in failed_step()
+    assert "out of memory, say" in failed_phase()
     gc.collect()
     time.sleep(3)  # Ray reports an unhandled error from a background check
     printed = capfd.readouterr()
