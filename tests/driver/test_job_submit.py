@@ -42,6 +42,11 @@ def ray_head():
             "--head",
             f"--port={port}",
             f"--dashboard-port={dash}",
+            # every fixed default port of `ray start --head`: the session's test cluster (conftest.ray_cluster) may
+            # hold them, and a head whose job agent cannot bind its port never runs a job
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
             "--dashboard-host=127.0.0.1",
             "--num-cpus=2",
             "--block",
