@@ -129,20 +129,30 @@ def test_the_plan_reserves_the_heads_share_for_its_actors_first():
     assert "evaluator: CPU 0.1, pinned to the head node" in text and "consolidator: CPU 0.1, pinned" in text
 
 
-@pytest.mark.parametrize("phase", ["train", "checkpoint"])
+@pytest.mark.parametrize("phase", ["rollout", "train", "checkpoint", "restore"])
 def test_a_failed_phase_leaves_no_unhandled_error_for_its_other_return_values(ray_cluster, capfd, caplog, phase):
-    """A train step returns (metrics, adapter), a checkpoint's state four values; when the call fails, the driver
-    reports the error of the one it waits on, and the others' copies of it must not follow as Ray's "Unhandled
-    error" traceback when the driver drops their refs."""
+    """A rollout returns (summary, trajectories), a train step (metrics, adapter), a checkpoint's state four values,
+    a restore (summary, saved state); when the call fails, the driver reports the error of the one it waits on, and
+    the others' copies of it must not follow as Ray's "Unhandled error" traceback when the driver drops their refs."""
     import gc
+    from types import SimpleNamespace
 
     import ray
 
     from app.driver.cluster import Actors
-    from app.driver.phases import train_phase, write_checkpoint
+    from app.driver.phases import rollout_phase, train_phase, write_checkpoint
+    from app.main import restore
 
     @ray.remote(num_cpus=0)
     class FailingRank:
+        @ray.method(num_returns=2)
+        def play(self, share, n_samples, sampling):
+            raise ValueError("out of memory, say")
+
+        @ray.method(num_returns=2)
+        def resume(self, saved_steps):
+            raise ValueError("out of memory, say")
+
         @ray.method(num_returns=2)
         def step(self, trajectory_refs, step):
             raise ValueError("out of memory, say")
@@ -152,14 +162,19 @@ def test_a_failed_phase_leaves_no_unhandled_error_for_its_other_return_values(ra
             raise ValueError("out of memory, say")
 
     rank = FailingRank.remote()
-    actors = Actors(pg=None, rollouts=[], trainers=[rank], evaluator=None, consolidator=None)
+    actors = Actors(pg=None, rollouts=[rank], trainers=[rank], evaluator=None, consolidator=rank)
+    cfg = tiny_config()
 
     def failed_phase() -> str:  # the call's refs live in the phase's frame, which the traceback holds until here
         try:
-            if phase == "train":
+            if phase == "rollout":
+                rollout_phase(actors, ["a maze"], cfg, 1, 0, Waits(WaitConfig()))
+            elif phase == "train":
                 train_phase(actors, [], 1, Waits(WaitConfig()))
-            else:
+            elif phase == "checkpoint":
                 write_checkpoint(actors, 1, dict, Waits(WaitConfig()))
+            else:
+                restore(SimpleNamespace(cfg=cfg, waits=Waits(WaitConfig()), saved_steps=[]), actors)
         except ValueError as e:
             return str(e)
         return "no error"
