@@ -89,7 +89,8 @@ def test_a_convolution_that_is_not_a_per_patch_product_is_left_alone():
 
 def test_the_bf16_backward_is_not_the_convolutions(tiny_model_dir, codec):
     """The defect this module fixes, measured side by side: a bf16 forward and backward of the tower's patch
-    embedding, the product against the Conv3d (80x on a 2-core CPU; a generous 4x asked)."""
+    embedding, the product against the Conv3d (80x on a 2-core CPU without bf16 instructions, 3.5x on one with
+    AVX512-BF16, whose oneDNN convolution is fast: 2x asked, where the Conv3d itself would measure 1x)."""
     embed = load_model(tiny_model_dir, "bfloat16").model.visual.patch_embed
     library = copy.deepcopy(embed)
     library.__dict__.pop("forward")
@@ -97,11 +98,11 @@ def test_the_bf16_backward_is_not_the_convolutions(tiny_model_dir, codec):
 
     def timed(module):
         best = float("inf")
-        for _ in range(2):
+        for _ in range(3):
             module.zero_grad()
             start = time.perf_counter()
             module(x).float().square().sum().backward()
             best = min(best, time.perf_counter() - start)
         return best
 
-    assert timed(embed) * 4 < timed(library)
+    assert timed(embed) * 2 < timed(library)
