@@ -9,7 +9,6 @@ import ray
 
 from app.config import Config
 from app.observe.evaluation import eval_report, sampled_report, sampled_sampling
-from app.observe.report import after_eval
 from app.rollout.engines import Sampling
 from app.world.diagnosis import diagnosis_metrics
 from app.world.sampler import eval_mazes
@@ -56,6 +55,9 @@ class EvaluatorActor:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=1))
         tmp.replace(path)
+
+        # imported here, not at start: matplotlib is seconds of CPU on the start's critical path
+        from app.observe.report import after_eval
 
         after_eval(self.out_dir.parent, step)  # eval/solve_rate.png + eval/replay_step_NNNNNN.gif; never raises
         return {k: v for k, v in report.items() if k != "mazes"}

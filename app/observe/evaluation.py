@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from app.rollout.engines.base import Sampling
-from app.rollout.episodes import EpisodeRequest, play_episodes
 from app.rollout.trajectory import Trajectory
 from app.world.diagnosis import diagnosis_metrics
 from app.world.rules import EpisodeSettings
@@ -77,6 +76,9 @@ def play_held_out(cfg, engine) -> dict:
     """The held-out mazes played greedily in this process with `engine` (no Ray): `eval_report` plus the
     `why_*` turn classes (app.world.diagnosis), and with eval.samples the sampled play, as the evaluator actor writes
     them."""
+    # here, not at the top: the evaluator actor imports this module at start, and the episodes bring the image
+    # processor (transformers, torchvision), seconds of CPU that only play in this process needs
+    from app.rollout.episodes import EpisodeRequest, play_episodes
 
     mazes = eval_mazes(cfg.eval.seed, cfg.eval.num_mazes, cfg.maze.size)
     played = play_episodes(

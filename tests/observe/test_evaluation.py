@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,3 +34,15 @@ def test_sampled_play_uses_the_rollout_temperature_and_one_seed_per_held_out_set
     sampling = sampled_sampling(cfg)
     assert (sampling.temperature, sampling.top_p, sampling.seed) == (0.7, cfg.rollout.top_p, cfg.eval.seed + 1)
     assert sampled_sampling(cfg) == sampling  # every evaluation of a run draws alike
+
+
+def test_the_evaluator_starts_without_the_image_processor_or_matplotlib():
+    """The head's actors are on every job's start-up path: the evaluator's module brings neither transformers'
+    image processor (with torchvision) nor matplotlib, seconds of CPU each on a laptop's cores."""
+    heavy = "('transformers', 'torchvision', 'matplotlib')"
+    probe = f"import sys, actors.evaluator; print([m for m in {heavy} if m in sys.modules])"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
