@@ -41,7 +41,8 @@ def tiny_run(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     console = io.StringIO()
     with contextlib.redirect_stdout(console):  # metrics.progress_bar=false: the step lines are plain prints
-        assert run_main(out, "eval.samples=2") == 0
+        code = run_main(out, "eval.samples=2")
+    assert code == 0, console.getvalue()[-4000:]
     (out / "tiny" / "console.txt").write_text(console.getvalue())
     return out / "tiny"
 
