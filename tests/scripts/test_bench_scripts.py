@@ -225,6 +225,37 @@ def test_lora_kernel_tables_are_read_back_by_vllm_for_each_shape(tmp_path, monke
         utils.load_lora_op_config.cache_clear()
 
 
+def test_the_dense_lora_adds_what_vllms_reference_ops_add_for_every_slice():
+    """lora_kernels.py's dense way (the group's A matrices stacked, its B matrices block-diagonal: two GEMMs) adds
+    to each slice of the output what vLLM's own reference ops (the punica semantics: shrink, then expand into the
+    slice) add for an adapter every token plays."""
+    import torch
+    from vllm.lora.ops.torch_ops import bgmv_expand_slice, bgmv_shrink
+
+    from scripts.bench.lora_kernels import dense_calls, dense_lora_
+
+    torch.manual_seed(0)
+    m, rank, in_size, outs = 5, 4, 24, [16, 8, 8]  # a q/k/v group in small
+    x = torch.randn(m, in_size)
+    a = [torch.randn(1, 1, rank, in_size) for _ in outs]  # vLLM's slots: (max_loras, 1, r, in)
+    b = [torch.randn(1, 1, n, rank) for n in outs]  # (max_loras, 1, out, r)
+    y0 = torch.randn(m, sum(outs))
+    expected, every_token = y0.clone(), torch.zeros(m, dtype=torch.long)
+    offset = 0
+    for a_i, b_i, n in zip(a, b, outs):
+        mid = torch.zeros(m, rank)
+        bgmv_shrink(x, a_i, mid, every_token, 1.0)
+        bgmv_expand_slice(mid, b_i, expected, every_token, offset, n, add_inputs=True)
+        offset += n
+    a_stacked = torch.cat([a_i[0, 0] for a_i in a])
+    b_block = torch.block_diag(*[b_i[0, 0] for b_i in b])
+    got = dense_lora_(y0.clone(), x, a_stacked, b_block, torch.empty(m, len(outs) * rank))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, y0)
+    shrink, expand, both = dense_calls(in_size, outs, m, rank, dev="cpu")  # the benchmark's own calls run on a CPU
+    assert both().shape == (m, sum(outs)) and shrink().shape == (m, len(outs) * rank) and expand() is not None
+
+
 def test_gpu_gaps_classes_the_idle_time_between_kernels_by_length(tmp_path):
     """Kernels on two streams overlap and count once; the gaps between them fall in their length classes; copies
     count as device work, host operators do not; a gzipped trace reads as a plain one."""
