@@ -17,9 +17,9 @@ vLLM's default configuration with the grid over the active adapter only (`specia
 Beside vLLM's kernels it times the same arithmetic as two cuBLAS calls a projection group, for an engine whose one
 adapter every token plays: the group's A matrices stacked (one GEMM gives every slice's rank-r product) and its B
 matrices block-diagonal (one GEMM adds every slice's output in place). And each way once more with the GPU's L2
-cache emptied before every call, as in the engine, where the base layer's GEMM streams the layer's weights through
-the cache between two LoRA calls (the emptying's own time is measured alone and taken off). `--no-grid` skips the
-configuration search: the comparison alone, in a minute.
+cache emptied before every call, as in the engine, where the base layer's GEMM streams the projection's weights
+through the cache between two LoRA calls (the emptying's own time is measured alone and taken off). `--no-grid`
+skips the configuration search: the comparison alone, in a minute.
 """
 
 from __future__ import annotations
@@ -235,11 +235,9 @@ def main() -> None:
     # a round of the loop's workload: per projection group and pass one shrink and one expand, 36 layers
     layers = text.get("num_hidden_layers", 36)
     passes = {int(t): (195 if i == 0 else 13) for i, t in enumerate(args.tokens.split(","))}  # decode, then prefill
-    round_default = sum(r["default_us"] * passes[r["m"]] * layers for r in rows) / 1e6
-    round_best = sum(r["best_us"] * passes[r["m"]] * layers for r in rows) / 1e6
-    round_specialized = sum(r["default_specialized_us"] * passes[r["m"]] * layers for r in rows) / 1e6
-    round_of = {k: sum(r[k] * passes[r["m"]] * layers for r in rows) / 1e6 for k in ("default_cold_us", "dense_us")}
-    round_of["dense_cold_us"] = sum(r["dense_cold_us"] * passes[r["m"]] * layers for r in rows) / 1e6
+    timings = ("default_us", "best_us", "default_specialized_us", "default_cold_us", "dense_us", "dense_cold_us")
+    round_of = {k: sum(r[k] * passes[r["m"]] * layers for r in rows) / 1e6 for k in timings}
+    round_default, round_best, round_specialized = (round_of[k] for k in timings[:3])
     head = f"{'op':7} {'module':8} {'m':>5} {'default us':>11} {'specialized':>11} {'best us':>9}"
     print(head + f" {'cold':>8} {'dense':>8} {'dense cold':>10}")
     for r in rows:
