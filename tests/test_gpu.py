@@ -52,9 +52,10 @@ def gpu_setup(tmp_path_factory):
 
 
 def gpu_engine(model_dir: str, cfg, **options):
-    """The bf16 vLLM engine these tests share settings for (eager: no graph capture to wait for)."""
+    """The bf16 vLLM engine these tests share settings for (eager unless asked: no graph capture to wait for)."""
     from app.rollout.engines.vllm import VLLMEngine
 
+    options.setdefault("enforce_eager", True)
     return VLLMEngine(
         model_dir,
         cfg.lora,
@@ -63,7 +64,6 @@ def gpu_engine(model_dir: str, cfg, **options):
         max_images=TURNS,
         gpu_memory_utilization=0.3,
         sleep_level=1,
-        enforce_eager=True,
         **options,
     )
 
@@ -170,6 +170,43 @@ def test_an_engine_in_its_own_process_takes_the_adapter_by_cuda_ipc_and_sleeps(g
     finally:
         engine.shutdown()
         shared.wake()
+
+
+def test_the_dense_lora_under_cuda_graphs_plays_as_vllms_kernels(gpu_setup):
+    """rollout.dense_lora as the GPU configs would run it (engine core in its own process, CUDA graphs, keep_weights):
+    the slots hold the adapter bit for bit; greedy episodes play as the eager engine with vLLM's LoRA kernels plays
+    them, with the adapter and without it (the slot loaded, the requests naming none: the graphs read the token map
+    each replay), and the same after a sleep and wake."""
+    from app.model import adapters
+    from app.rollout.engines.base import Sampling
+    from app.rollout.episodes import play_episodes
+
+    cfg, model_dir, trainer, shared, settings = gpu_setup
+    engine = gpu_engine(model_dir, cfg, engine_process=True, keep_weights=True, enforce_eager=False, dense_lora=True)
+    try:
+        assert engine.stats()["dense_lora_layers"] == 4 * cfg.model.tiny.num_layers
+        tensors = trainer.trained_tensors()
+        engine.load_lora(adapters.pack(tensors), 1)
+        shared.load_lora(tensors, 7)
+        held, sent = engine.lora_state(), adapters.held_form(tensors, cfg.lora.rank, cfg.lora.alpha, torch.bfloat16)
+        assert set(held) == set(sent) and all(torch.equal(held[k], sent[k].cpu()) for k in sent)
+        greedy, mazes = Sampling(12, 0.0), requests(8)
+        actions = {}
+        for name, e in (("dense", engine), ("kernels", shared)):
+            actions[name] = [t.actions for t in play_episodes(e, e.codec, mazes, settings, greedy)]
+            playing, e._lora_request = e._lora_request, None
+            actions[name + " base"] = [t.actions for t in play_episodes(e, e.codec, mazes, settings, greedy)]
+            e._lora_request = playing
+        for kind in ("", " base"):
+            same = sum(a == b for a, b in zip(actions["dense" + kind], actions["kernels" + kind]))
+            print(f"dense LoRA with graphs vs vLLM's kernels eager{kind}: {same}/{len(mazes)} identical episodes")
+            assert same >= len(mazes) - 1  # bf16 kernels may flip one near-tie
+        assert actions["dense"] != actions["dense base"]  # the adapter changes what the policy does
+        engine.sleep()
+        engine.wake()
+        assert [t.actions for t in play_episodes(engine, engine.codec, mazes, settings, greedy)] == actions["dense"]
+    finally:
+        engine.shutdown()
 
 
 def test_a_trained_vision_tower_reaches_an_engine_in_its_own_process_bit_for_bit(gpu_setup):

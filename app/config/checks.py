@@ -187,7 +187,8 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
         raise ConfigError(
             "rollout.keep_weights", "it chooses what sleep frees, and sleep_level 0 never sleeps", "set sleep_level=1"
         )
-    for field, on in (("schedule", r.schedule == "continuous"), ("engine_process", r.engine_process)):
+    vllm_only = (("schedule", r.schedule == "continuous"), ("engine_process", r.engine_process))
+    for field, on in vllm_only + (("dense_lora", r.dense_lora),):
         if on and r.engine != "vllm":
             raise ConfigError(
                 f"rollout.{field}",
@@ -200,6 +201,7 @@ def check_combinations(cfg: Config, check_paths: bool = True) -> None:
             "vllm is not installed in this Python",
             "run scripts/setup.sh, or set rollout.engine=hf"
             + (" rollout.engine_process=false" if r.engine_process else "")
+            + (" rollout.dense_lora=false" if r.dense_lora else "")
             + (" rollout.schedule=lockstep" if r.schedule == "continuous" else ""),
         )
     if set(cfg.lora.target_modules) & {"qkv", "proj", "linear_fc1", "linear_fc2", "attn.qkv", "attn.proj"}:

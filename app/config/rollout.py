@@ -54,6 +54,11 @@ class RolloutConfig:
     engine_process: bool = knob(
         False, "vLLM's engine core in its own process, so the episode loop's host work overlaps the GPU's"
     )
+    dense_lora: bool = knob(
+        False,
+        "vLLM: the adapter as two cuBLAS matrix products a projection group instead of vLLM's LoRA kernels (the "
+        "engine holds one adapter; its tokens get the same sums)",
+    )
     play_ahead: bool = knob(
         False,
         "play step k+1's episodes while step k trains (needs sleep_level 0, train.rollout_ratio_cap): each batch "

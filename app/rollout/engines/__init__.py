@@ -39,6 +39,7 @@ def make_engine(cfg: Config, model_dir: str, device: str = "cpu", index: int = 0
             kv_cache_gb=cfg.rollout.kv_cache_gb,
             schedule=cfg.rollout.schedule,
             engine_process=cfg.rollout.engine_process,
+            dense_lora=cfg.rollout.dense_lora,
         )
     from app.rollout.engines.hf import HFEngine
 

@@ -23,7 +23,7 @@ from app.config import LoraSettings
 from app.model import adapters
 from app.model.load import VISION_TOKENS, load_processor
 from app.rollout.encoding import ChatCodec
-from app.rollout.engines import vllm_front_end
+from app.rollout.engines import vllm_dense_lora, vllm_front_end
 from app.rollout.engines.base import Engine, Generation, Prompt, Sampling, request_seed
 from app.rollout.engines.vllm_kernel_scan import modules_hidden_from_kernel_scan
 from app.rollout.engines.vllm_requests import EngineRequests
@@ -54,6 +54,7 @@ class VLLMEngine(Engine):
         engine_process: bool = False,
         keep_weights: bool = False,
         forbid_with: str = "bad_words",
+        dense_lora: bool = False,
     ):
         """kv_cache_gb (GPU): the KV cache's size, given instead of measured. vLLM measures it as the memory the
         device lost while it profiled, so engines that start together on one GPU charge each other's allocations to
@@ -61,7 +62,8 @@ class VLLMEngine(Engine):
         schedule: "lockstep" (Engine.stream) or "continuous" (this class's stream). engine_process: vLLM's engine core
         in its own process. keep_weights: sleep frees the KV cache only (vllm_worker.LoraTensorLoader). forbid_with:
         how vision tokens are kept out of replies: vLLM's per-request "bad_words", or "logits_processor"
-        (vllm_logits.ForbidVisionTokens, one batched write a step; no faster on the H200, BENCHMARKS)."""
+        (vllm_logits.ForbidVisionTokens, one batched write a step; no faster on the H200, BENCHMARKS). dense_lora:
+        the adapter as two cuBLAS products a projection group instead of vLLM's LoRA kernels (vllm_dense_lora)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if engine_process:  # a forked engine core cannot use CUDA once this process has touched it
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -71,6 +73,7 @@ class VLLMEngine(Engine):
 
         vllm.envs.disable_envs_cache()  # an earlier engine in this process froze the environment it read
         vllm_front_end.install()  # this process runs vLLM's multimodal processor for every request
+        vllm_dense_lora.install()  # for an engine core in this process (in its own, vllm_worker installs it)
 
         self.schedule, self.keep_weights = schedule, keep_weights
         self.processor = load_processor(model_path)
@@ -91,6 +94,7 @@ class VLLMEngine(Engine):
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="app.rollout.engines.vllm_worker.LoraTensorLoader",
+            additional_config={vllm_dense_lora.CONFIG_KEY: dense_lora},
         )
         if forbid_with == "logits_processor":
             kwargs.update(logits_processors=["app.rollout.engines.vllm_logits:ForbidVisionTokens"])
@@ -142,7 +146,10 @@ class VLLMEngine(Engine):
             "sleeps": 0,
             "sleep_s": 0.0,
             "wake_s": 0.0,
+            "dense_lora_layers": len(self.llm.collective_rpc("mazerl_dense_lora_layers")[0]),
         }
+        if dense_lora and not self._stats["dense_lora_layers"]:
+            raise RuntimeError("vLLM made no LoRA layer dense (vllm_dense_lora): set rollout.dense_lora=false")
 
     # ------------------------------------------------------------ generation
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Generation]:

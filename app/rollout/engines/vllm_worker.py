@@ -18,10 +18,19 @@ a CPU (`to_wire` / `from_wire`).
 from __future__ import annotations
 
 import pickle
+import sys
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+
+from app.rollout.engines import vllm_dense_lora
+
+if "vllm" in sys.modules:
+    # An engine core in its own process imports this module in its worker before the model loads: the one point of
+    # that process's start where code of ours runs before the LoRA layers are made and CUDA graphs captured. An
+    # engine in the caller's process installs it itself (VLLMEngine), after setting the environment vLLM reads.
+    vllm_dense_lora.install()
 
 
 def to_wire(tensors: dict[str, torch.Tensor], by_reference: bool):
@@ -270,3 +279,7 @@ class LoraTensorLoader:
                 held[f"{stem}.{part}.lora_A"] = a.detach().to("cpu", copy=True).contiguous()
                 held[f"{stem}.{part}.lora_B"] = b.detach().to("cpu", copy=True).contiguous()
         return save_safetensors(held) if as_bytes else held
+
+    def mazerl_dense_lora_layers(self) -> list[str]:
+        """The LoRA layers that apply the adapter as dense matrix products (vllm_dense_lora); [] unless asked."""
+        return list(getattr(self.model_runner, "mazerl_dense_lora_layers", []))
