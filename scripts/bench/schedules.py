@@ -5,7 +5,7 @@ whole history, 16 new tokens a reply, temperature 1, a random adapter (r32) push
 (one packed host buffer). Per configuration (one process each, since vLLM reads its process mode at start):
 
     python scripts/bench/schedules.py --model DIR --schedule lockstep|continuous [--engine-process] [--graphs]
-                                      [--tower] [--keep-weights] [--py-spy RAW] [--timeline DIR]
+                                      [--tower] [--keep-weights] [--dense-lora] [--py-spy RAW] [--timeline DIR]
 
 Reported (one JSON line, then a table row): engine start; rollout seconds and generated tokens per round (median of
 --rounds after one warm-up round); the GPU's busy share during the rounds (nvidia-smi's utilization, sampled every
@@ -197,6 +197,7 @@ def main() -> None:
     ap.add_argument("--timeline", metavar="DIR", help="one more round under vLLM's profiler: the GPU's idle gaps")
     ap.add_argument("--lora-dual-stream", action="store_true", help="VLLM_LORA_ENABLE_DUAL_STREAM: the adapter beside")
     ap.add_argument("--lora-configs", metavar="DIR", help="VLLM_TUNED_CONFIG_FOLDER (scripts/bench/lora_kernels.py's)")
+    ap.add_argument("--dense-lora", action="store_true", help="rollout.dense_lora: the adapter as two cuBLAS GEMMs")
     ap.add_argument("--unfrozen-heap", action="store_true", help="no gc.freeze once the engine runs (heap.py)")
     ap.add_argument(
         "--specialize-active-lora", action="store_true", help="vLLM's LoRA grid over the active adapters only"
@@ -238,6 +239,7 @@ def main() -> None:
         engine_process=args.engine_process,
         keep_weights=args.keep_weights,
         forbid_with="logits_processor" if args.logits_processor else "bad_words",
+        dense_lora=args.dense_lora,
     )
     if not args.unfrozen_heap:  # as the rollout actor does once its engine has started
         freeze_heap()
@@ -252,6 +254,7 @@ def main() -> None:
         "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1",
         "lora_configs": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"),
         "specialize_active_lora": args.specialize_active_lora,
+        "dense_lora": args.dense_lora,
         "frozen_heap": not args.unfrozen_heap,
         "engine_start_s": round(time.perf_counter() - start, 1),
     }
