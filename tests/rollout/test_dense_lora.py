@@ -42,6 +42,17 @@ def test_every_projection_group_of_the_language_model_is_dense(dense_engine, vll
     assert all("visual" not in name for name in layers)
     assert dense_engine.stats()["dense_lora_layers"] == len(layers)
     assert vllm_engine.stats()["dense_lora_layers"] == 0  # an engine that did not ask keeps vLLM's kernels
+    # every layer of the language model is dense, so its wrapper prepares no metadata for vLLM's kernels
+    assert dense_engine.llm.collective_rpc(metadata_update)[0] == "token_slots_only"
+    assert vllm_engine.llm.collective_rpc(metadata_update)[0] == "update_metadata"
+
+
+def metadata_update(worker) -> str:
+    """Run in vLLM's worker: the name of the function that updates the language model's punica metadata."""
+    from vllm.lora.model_manager import DEFAULT_LANGUAGE_WRAPPER_KEY
+
+    wrapper = worker.model_runner.lora_manager._adapter_manager.punica_wrapper_mapping[DEFAULT_LANGUAGE_WRAPPER_KEY]
+    return wrapper.update_metadata.__func__.__name__
 
 
 def test_greedy_generations_match_vllms_lora_kernels(dense_engine, vllm_engine, prompts):

@@ -88,6 +88,7 @@ class VLLMEngine(Engine):
             enable_lora=True,
             max_lora_rank=max_rank,
             max_loras=1,
+            lora_target_modules=list(lora.target_modules),  # else vLLM also wraps embed_tokens and lm_head, idle
             enforce_eager=enforce_eager,
             seed=seed,
             limit_mm_per_prompt={"image": max_images},

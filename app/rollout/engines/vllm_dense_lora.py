@@ -9,17 +9,17 @@ output in one call, with no float32 buffer to fill. vLLM has no such option, hen
 How: once vLLM has made its LoRA layers (`LoRAModelRunnerMixin.load_lora_model`), each eligible layer's slot
 tensors are made views of one stacked A and one block-diagonal B, so that vLLM's own adapter loading (`set_lora`,
 `reset_lora`) fills them, CUDA graphs captured later keep their addresses, and sleep mode moves them with the
-weights; the layer's `_apply_lora_to_output` is replaced on the instance. A token of a request without the adapter
-(slot -1 in the punica wrapper's token map) gets nothing added, as with vLLM's kernels. The arithmetic is vLLM's:
-the rank-r product rounded to the adapter's dtype, then multiplied by B and added to the output.
+weights; the layer's `_apply_lora_to_output` is replaced on the instance. When every layer of the language model's
+punica wrapper is dense, the wrapper prepares only the token map they read. A token of a request without the
+adapter (slot -1 in that map) gets nothing added, as with vLLM's kernels. The arithmetic is vLLM's: the rank-r
+product rounded to the adapter's dtype, then multiplied by B and added to the output.
 
 Eligible: a linear LoRA layer of the language model with one slot, one tensor-parallel rank and LoRAs not fully
 sharded; other layers keep vLLM's kernels. An engine asks for it with `additional_config={CONFIG_KEY: True}`
 (vLLM's channel for its plugins' settings, part of its compile cache's key). `install` must run in vLLM's worker
 before the model loads: VLLMEngine calls it for an engine core in its process, and vllm_worker, the worker extension
-vLLM imports first in an engine core's own process, calls it there. The vLLM internals
-used are pinned by the versions vllm_worker names; tests/rollout/test_dense_lora.py checks the outputs against
-vLLM's own kernels.
+vLLM imports first in an engine core's own process, calls it there. The vLLM internals used are pinned by the
+versions vllm_worker names; tests/rollout/test_dense_lora.py checks the outputs against vLLM's own kernels.
 """
 
 from __future__ import annotations
@@ -70,7 +70,20 @@ def densify(manager) -> list[str]:
             continue  # the vision tower's own token map is not the language model's
         if stack_slots(layer):
             dense.append(name)
+    if language is not None and all(
+        name in dense for name, layer in manager.modules.items() if getattr(layer, "punica_wrapper", None) is language
+    ):
+        language.update_metadata = types.MethodType(token_slots_only, language)
     return dense
+
+
+def token_slots_only(wrapper, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs) -> None:
+    """A punica wrapper's `update_metadata` for one whose every layer is dense: only the token -> slot map that
+    dense_lora reads (copied to the device without waiting). vLLM's own also prepares its kernels' metadata, which
+    reads values back from the device (a sort, a unique, a flag) and so holds the host until the GPU has run every
+    step queued before it, each time the batch changes."""
+    wrapper.is_prefill = mapping.is_prefill
+    wrapper._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
 
 
 def stack_slots(layer) -> bool:
