@@ -59,20 +59,17 @@ def densify(manager) -> list[str]:
     from vllm.lora.model_manager import DEFAULT_LANGUAGE_WRAPPER_KEY
 
     config = manager.lora_config
-    if config.max_loras != 1 or config.fully_sharded_loras:
-        return []
     language = manager.punica_wrapper_mapping.get(DEFAULT_LANGUAGE_WRAPPER_KEY)
-    dense = []
-    for name, layer in manager.modules.items():
-        if not isinstance(layer, BaseLinearLayerWithLoRA) or layer.tp_size != 1:
-            continue
-        if language is None or getattr(layer, "punica_wrapper", None) is not language:
-            continue  # the vision tower's own token map is not the language model's
-        if stack_slots(layer):
-            dense.append(name)
-    if language is not None and all(
-        name in dense for name, layer in manager.modules.items() if getattr(layer, "punica_wrapper", None) is language
-    ):
+    if config.max_loras != 1 or config.fully_sharded_loras or language is None:
+        return []
+    # the vision tower's layers have their own wrapper, whose token map is not the language model's
+    on_language = {name: layer for name, layer in manager.modules.items() if layer.punica_wrapper is language}
+    dense = [
+        name
+        for name, layer in on_language.items()
+        if isinstance(layer, BaseLinearLayerWithLoRA) and layer.tp_size == 1 and stack_slots(layer)
+    ]
+    if len(dense) == len(on_language):
         language.update_metadata = types.MethodType(token_slots_only, language)
     return dense
 
